@@ -1,0 +1,34 @@
+"""Reward functions: `(response: str, label: str) -> float`, chosen by `--rm-type` or loaded
+from `--custom-rm-path`."""
+
+from __future__ import annotations
+
+from vime_engine.rewards.custom import RewardFn, load_custom_reward
+from vime_engine.rewards.dapo import dapo_reward
+from vime_engine.rewards.deepscaler import deepscaler_reward
+from vime_engine.rewards.gsm8k import gsm8k_reward
+from vime_engine.rewards.math import math_reward
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "math": math_reward,
+    "gsm8k": gsm8k_reward,
+    "dapo": dapo_reward,
+    "deepscaler": deepscaler_reward,
+}
+
+
+def get_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
+    """The reward function for a run: the custom one when `custom_rm_path` is given (as in
+    vime/slime, it takes precedence over `rm_type`), otherwise the built-in named `rm_type`."""
+    if custom_rm_path:
+        return load_custom_reward(custom_rm_path)
+    try:
+        return BUILTIN_REWARDS[rm_type]
+    except KeyError:
+        raise ValueError(
+            f"--rm-type {rm_type!r} is unknown; choose one of {', '.join(BUILTIN_REWARDS)} "
+            "or give your own function with --custom-rm-path"
+        ) from None
+
+
+__all__ = ["BUILTIN_REWARDS", "RewardFn", "get_reward_fn"]
