@@ -1,0 +1,327 @@
+"""One storage interface for ``file://``, ``s3://`` and ``obs://`` roots.
+
+A ``Storage`` is rooted at a URI; every key it takes is relative to that root. Backends implement a few
+primitives (put/get of one object, list, head, delete); this module builds the tree operations on top:
+parallel ``put_tree`` / ``get_tree``, and the committed-tree contract:
+
+``commit_tree``: drop any old manifest (the prefix stops being trusted), upload every file (skipping objects
+that already hold the same bytes), verify the listing against local sizes and ETags, then write
+``manifest.json`` last. ``fetch_tree``: read the manifest (no manifest, no tree), download what is missing
+locally, verify every sha256, and write the manifest locally too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from tasks.manifest import (
+    MANIFEST_NAME, FileDigest, Manifest, check_relpath, digest_file, digest_tree, part_size_for, sha256_file,
+)
+from tasks.storage_errors import (
+    IntegrityError, NotFoundError, PermanentStorageError, StorageError, TransientStorageError, with_retries,
+)
+
+__all__ = [
+    "Storage", "ObjectInfo", "open_storage", "StorageError", "TransientStorageError", "PermanentStorageError",
+    "NotFoundError", "IntegrityError",
+]
+log = logging.getLogger("vimeflow.storage")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str  # relative to the storage root
+    size: int
+    etag: str | None  # S3/OBS ETag without quotes; None where the backend has none (file://)
+
+
+def join_key(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+class Storage(ABC):
+    """Common tree logic over backend primitives. Subclasses set ``root_uri`` and implement the primitives."""
+
+    root_uri: str
+    max_concurrency: int = 8
+    multipart_threshold: int = 8 << 20
+    max_attempts: int = 5
+    retry_base_delay: float = 0.2
+
+    # ---- primitives (keys relative to the root) -----------------------------------------------------------
+    @abstractmethod
+    def _put_file(self, local: Path, key: str, digest: FileDigest) -> None:
+        """Upload one file whose digest is known (multipart above ``multipart_threshold``)."""
+
+    @abstractmethod
+    def _get_file(self, key: str, local: Path, size: int | None) -> None:
+        """Download one object to ``local`` (overwritten)."""
+
+    @abstractmethod
+    def _list(self, prefix: str) -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (a plain string prefix)."""
+
+    @abstractmethod
+    def _head(self, key: str) -> ObjectInfo | None:
+        """The object's info, or None when it does not exist."""
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """Raises NotFoundError when the object does not exist."""
+
+    @abstractmethod
+    def _delete_keys(self, keys: list[str]) -> None: ...
+
+    # ---- small helpers ------------------------------------------------------------------------------------
+    def uri(self, key: str = "") -> str:
+        return self.root_uri.rstrip("/") + ("/" + key.strip("/") if key.strip("/") else "")
+
+    def child(self, prefix: str) -> "Storage":
+        """A storage rooted at ``prefix`` under this one (same client and settings)."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone._rebase(prefix)
+        return clone
+
+    @abstractmethod
+    def _rebase(self, prefix: str) -> None: ...
+
+    def _retry(self, fn):
+        return with_retries(fn, attempts=self.max_attempts, base_delay=self.retry_base_delay)
+
+    # ---- single objects -----------------------------------------------------------------------------------
+    def put_file(self, local: Path, key: str) -> FileDigest:
+        local = Path(local)
+        digest = digest_file(local, part_size_for(local.stat().st_size, self.multipart_threshold))
+        self._put_file(local, key, digest)
+        return digest
+
+    def get_file(self, key: str, local: Path) -> Path:
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self._get_file(key, local, None)
+        return local
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self._retry(lambda: self._list(prefix))
+
+    def exists(self, key: str) -> bool:
+        return self._retry(lambda: self._head(key)) is not None
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under ``prefix`` (a directory-like prefix); returns how many."""
+        p = join_key(prefix)
+        keys = [o.key for o in self.list(p + "/" if p else "")]
+        if keys:
+            self._retry(lambda: self._delete_keys(keys))
+        return len(keys)
+
+    def read_json(self, key: str) -> Any:
+        return json.loads(self._retry(lambda: self.get_bytes(key)))
+
+    def write_json(self, key: str, value: Any) -> None:
+        data = (json.dumps(value, indent=1, sort_keys=True) + "\n").encode()
+        self._retry(lambda: self.put_bytes(key, data))
+
+    # ---- trees --------------------------------------------------------------------------------------------
+    def put_tree(self, local_dir: Path, prefix: str, digests: dict[str, FileDigest] | None = None,
+                 skip_existing: bool = False) -> dict[str, FileDigest]:
+        """Upload every file under ``local_dir`` to ``prefix/relpath`` in parallel; returns what was uploaded.
+
+        With ``skip_existing``, objects that already have the file's size and ETag are left alone (this
+        makes a re-run of an interrupted tree upload send only what is missing).
+        """
+        local_dir = Path(local_dir)
+        if digests is None:
+            digests = digest_tree(local_dir, lambda n: part_size_for(n, self.multipart_threshold))
+        todo = dict(digests)
+        if skip_existing:
+            remote = {o.key: o for o in self.list(join_key(prefix) + "/")}
+            todo = {rel: d for rel, d in digests.items()
+                    if not self._object_matches(remote.get(join_key(prefix, rel)), d)}
+        with ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="put") as pool:
+            futures = [pool.submit(self._put_file, local_dir / rel, join_key(prefix, rel), d) for rel, d in todo.items()]
+            for f in futures:
+                f.result()
+        return todo
+
+    def get_tree(self, prefix: str, local_dir: Path) -> list[str]:
+        """Download every object under ``prefix`` into ``local_dir`` (no manifest check); returns relpaths."""
+        base = join_key(prefix)
+        objs = self.list(base + "/" if base else "")
+        rels = {o.key[len(base) + 1 if base else 0:]: o for o in objs}
+        self._download_many({check_relpath(r): (o.key, o.size) for r, o in rels.items()}, Path(local_dir))
+        return sorted(rels)
+
+    def _download_many(self, items: dict[str, tuple[str, int | None]], local_dir: Path) -> None:
+        def one(rel: str, key: str, size: int | None) -> None:
+            dest = local_dir / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            self._get_file(key, dest, size)
+
+        with ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="get") as pool:
+            futures = [pool.submit(one, rel, key, size) for rel, (key, size) in items.items()]
+            for f in futures:
+                f.result()
+
+    def _object_matches(self, obj: ObjectInfo | None, d: FileDigest) -> bool:
+        if obj is None or obj.size != d.size:
+            return False
+        if obj.etag is None:
+            return True
+        return obj.etag in (d.expected_etag(False), d.expected_etag(True))
+
+    def commit_tree(self, local_dir: Path, prefix: str, meta: dict[str, Any] | None = None) -> Manifest:
+        """Upload, verify, then write the manifest last. Returns the manifest written."""
+        local_dir = Path(local_dir)
+        digests = digest_tree(local_dir, lambda n: part_size_for(n, self.multipart_threshold))
+        manifest_key = join_key(prefix, MANIFEST_NAME)
+        if self.exists(manifest_key):
+            self._retry(lambda: self._delete_keys([manifest_key]))
+        uploaded = self.put_tree(local_dir, prefix, digests, skip_existing=True)
+        remote = {o.key: o for o in self.list(join_key(prefix) + "/")}
+        bad = [rel for rel, d in digests.items() if not self._object_matches(remote.get(join_key(prefix, rel)), d)]
+        if bad:
+            raise IntegrityError("commit_tree", self.uri(prefix),
+                                 message=f"{len(bad)} object(s) missing or different after upload: {bad[:5]}")
+        manifest = Manifest(files={rel: d.entry for rel, d in digests.items()}, meta=dict(meta or {}))
+        self._retry(lambda: self.put_bytes(manifest_key, manifest.to_bytes()))
+        log.info("committed %s: %d files (%d uploaded), manifest %s", self.uri(prefix), len(digests),
+                 len(uploaded), manifest.hash[:12])
+        return manifest
+
+    def read_manifest(self, prefix: str) -> tuple[Manifest, bytes]:
+        """The committed tree's manifest and its raw bytes; NotFoundError when the prefix is not committed."""
+        key = join_key(prefix, MANIFEST_NAME)
+        try:
+            raw = self._retry(lambda: self.get_bytes(key))
+        except NotFoundError as exc:
+            raise NotFoundError("read_manifest", self.uri(prefix), status=exc.status, code=exc.code,
+                                message="no manifest.json: the tree is not committed (or not complete)") from None
+        try:
+            return Manifest.from_bytes(raw), raw
+        except (ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError("read_manifest", self.uri(key), message=f"invalid manifest: {exc}") from None
+
+    def fetch_tree(self, prefix: str, local_dir: Path) -> Manifest:
+        """Bring a committed tree down, verified. Files already present with the right sha256 are kept."""
+        local_dir = Path(local_dir)
+        manifest, raw = self.read_manifest(prefix)
+        todo = {rel: (join_key(prefix, rel), e.size) for rel, e in manifest.files.items()
+                if not _local_matches(local_dir / rel, e.size, e.sha256)}
+        for attempt in (1, 2):
+            self._download_many(todo, local_dir)
+            todo = {rel: v for rel, v in todo.items()
+                    if not _local_matches(local_dir / rel, manifest.files[rel].size, manifest.files[rel].sha256)}
+            if not todo:
+                break
+            log.warning("checksum mismatch after download (attempt %d): %s", attempt, sorted(todo)[:5])
+        if todo:
+            raise IntegrityError("fetch_tree", self.uri(prefix),
+                                 message=f"sha256 mismatch for {len(todo)} file(s): {sorted(todo)[:5]}")
+        (local_dir / MANIFEST_NAME).write_bytes(raw)
+        return manifest
+
+
+def _local_matches(path: Path, size: int, sha256: str) -> bool:
+    return path.is_file() and path.stat().st_size == size and sha256_file(path) == sha256
+
+
+class LocalStorage(Storage):
+    """``file://`` roots: a directory. Writes go to a temporary name and are renamed into place."""
+
+    def __init__(self, root: Path, max_concurrency: int = 8):
+        self.root = Path(root).resolve()
+        self.root_uri = self.root.as_uri()
+        self.max_concurrency = max_concurrency
+
+    def _rebase(self, prefix: str) -> None:
+        self.root = self.root / join_key(prefix)
+        self.root_uri = self.root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        key = join_key(key)
+        return self.root / check_relpath(key) if key else self.root
+
+    def _put_file(self, local: Path, key: str, digest: FileDigest) -> None:
+        self._write(key, lambda tmp: shutil.copyfile(local, tmp))
+
+    def _write(self, key: str, fill) -> None:
+        dest = self._path(key)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+            fill(tmp)
+            os.replace(tmp, dest)
+        except OSError as exc:
+            raise PermanentStorageError("put", self.uri(key), message=exc.strerror or str(exc)) from None
+
+    def _get_file(self, key: str, local: Path, size: int | None) -> None:
+        src = self._path(key)
+        if not src.is_file():
+            raise NotFoundError("get", self.uri(key), code="NoSuchKey")
+        shutil.copyfile(src, local)
+
+    def _list(self, prefix: str) -> list[ObjectInfo]:
+        out = []
+        if not self.root.is_dir():
+            return out
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in filenames:
+                p = Path(dirpath) / name
+                key = p.relative_to(self.root).as_posix()
+                if key.startswith(prefix) and not name.endswith(".tmp"):
+                    out.append(ObjectInfo(key, p.stat().st_size, None))
+        return sorted(out, key=lambda o: o.key)
+
+    def _head(self, key: str) -> ObjectInfo | None:
+        p = self._path(key)
+        return ObjectInfo(join_key(key), p.stat().st_size, None) if p.is_file() else None
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._write(key, lambda tmp: tmp.write_bytes(data))
+
+    def get_bytes(self, key: str) -> bytes:
+        p = self._path(key)
+        if not p.is_file():
+            raise NotFoundError("get", self.uri(key), code="NoSuchKey")
+        return p.read_bytes()
+
+    def _delete_keys(self, keys: list[str]) -> None:
+        for k in keys:
+            self._path(k).unlink(missing_ok=True)
+
+
+def open_storage(root_uri: str, **options: Any) -> Storage:
+    """The storage for ``file:///dir``, ``s3://bucket/prefix`` or ``obs://bucket/prefix``.
+
+    ``options`` go to the backend (endpoint_url, region, credentials, max_concurrency...); anything not given
+    comes from the environment (see tasks/storage_s3.py and tasks/storage_obs.py).
+    """
+    parsed = urlparse(root_uri)
+    scheme = parsed.scheme.lower()
+    if scheme == "file" or (scheme == "" and root_uri.startswith("/")):
+        return LocalStorage(Path(parsed.path if scheme else root_uri), **options)
+    if scheme in ("s3", "obs"):
+        if not parsed.netloc or "@" in parsed.netloc:
+            raise PermanentStorageError("open", f"{scheme}://…", code="InvalidURI",
+                                        message="expected scheme://bucket/prefix (no credentials in URIs)")
+        if scheme == "s3":
+            from tasks.storage_s3 import S3Storage
+            return S3Storage(parsed.netloc, parsed.path.strip("/"), **options)
+        from tasks.storage_obs import ObsStorage
+        return ObsStorage(parsed.netloc, parsed.path.strip("/"), **options)
+    raise PermanentStorageError("open", root_uri, code="UnsupportedScheme",
+                                message="supported: file://, s3://, obs://")
