@@ -223,7 +223,9 @@ def compute_advantages(
             inputs.loss_mask, gamma, lam,
         )
     else:
-        raise ValueError(f"unknown --advantage-estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
+        raise ValueError(
+            f"unknown --advantage-estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}"
+        )
     if normalize_advantages:
         advantages = masked_whiten(advantages, inputs.loss_mask)
     return AdvantageResult(advantages=advantages, returns=returns)
