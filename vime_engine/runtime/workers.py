@@ -1,0 +1,90 @@
+"""Placing the trainer and the rollout engine on Ray, colocated or disaggregated, behind one facade.
+
+Colocated: one actor holds both; weights move in process memory. Disaggregated: a trainer actor and a rollout
+actor; weights move through Ray's object store (the collective-broadcast path for multi-device is separate).
+Both return Ray futures for generation so the driver can overlap generation with training (async mode).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+import torch
+
+from vime_engine.config import EngineConfig
+from vime_engine.data.records import PromptRecord
+from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
+from vime_engine.runtime.devices import Accelerator
+from vime_engine.sample import Sample
+from vime_engine.train.torch_backend import TorchTrainBackend
+
+
+def build_trainer(cfg: EngineConfig, device: str) -> TorchTrainBackend:
+    if cfg.train.train_backend == "megatron":
+        raise NotImplementedError("--train-backend megatron is not available in this build; use torch")
+    return TorchTrainBackend(cfg, device)
+
+
+class TrainerActor:
+    """The training backend inside an actor; weights leave it as a plain dict (one object-store put)."""
+
+    def __init__(self, cfg: EngineConfig, device: str):
+        self.backend = build_trainer(cfg, device)
+
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        return self.backend.train_rollout(samples)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return dict(self.backend.named_weights())
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.backend, method)(*args)
+
+
+class ColocatedActor(TrainerActor):
+    """Trainer and rollout engine in one process: the weight sync is a walk over the trainer's tensors."""
+
+    def __init__(self, cfg: EngineConfig, device: str, kv_cache_bytes: int | None):
+        super().__init__(cfg, device)
+        self.rollout = RolloutWorker(cfg, kv_cache_bytes)
+
+    def generate(self, records, rollout_id, first_group, plan) -> list[Sample]:
+        return self.rollout.generate(records, rollout_id, first_group, plan)
+
+    def sync_weights(self, version: int) -> float:
+        return self.rollout.update_weights(self.backend.named_weights(), version)
+
+
+class Workers:
+    """The driver's view of the actors, identical for both placements."""
+
+    def __init__(self, cfg: EngineConfig, accel: Accelerator):
+        env = {"runtime_env": {"env_vars": dict(accel.actor_env)}}
+        kv_cache_bytes = int(cfg.rollout.vllm_kv_cache_gb * 2**30) if accel.kind == "cpu" else None
+        resources = {"num_gpus": 1} if accel.ray_resource == "GPU" else (
+            {"resources": {accel.ray_resource: 1}} if accel.ray_resource else {"num_cpus": 1}
+        )
+        self.colocated = cfg.placement.colocate
+        if self.colocated:
+            actor = ray.remote(ColocatedActor).options(**env, **resources).remote(cfg, accel.torch_device, kv_cache_bytes)
+            self.trainer = self.rollout = actor
+        else:
+            self.trainer = ray.remote(TrainerActor).options(**env, **resources).remote(cfg, accel.torch_device)
+            self.rollout = ray.remote(RolloutWorker).options(**env, **resources).remote(cfg, kv_cache_bytes)
+
+    def generate(self, records: list[PromptRecord], rollout_id: int, first_group: int, plan: GenerationPlan):
+        """A future of the rewarded samples."""
+        return self.rollout.generate.remote(records, rollout_id, first_group, plan)
+
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        return ray.get(self.trainer.train.remote(samples))
+
+    def sync_weights(self, version: int) -> float:
+        """Push the trainer's weights to the rollout engine; seconds spent inside the engine's reload."""
+        if self.colocated:
+            return ray.get(self.rollout.sync_weights.remote(version))
+        return ray.get(self.rollout.update_weights.remote(self.trainer.weights.remote(), version))
+
+    def trainer_call(self, method: str, *args: Any) -> Any:
+        return ray.get(self.trainer.call.remote(method, *args))

@@ -1,0 +1,104 @@
+"""The RL objective of one micro-batch, shared by every training backend.
+
+A backend produces per-token log-probs (and entropy, values) for a micro-batch; this module turns them and
+the rollout's tensors into the loss to backpropagate and the metrics to log, using the pure functions in
+`vime_engine.algorithms`. Losses are reduced with global denominators so micro-batch gradients add up to the
+global-batch gradient exactly, however the samples were packed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vime_engine.algorithms.losses import (
+    entropy_from_logits,
+    gspo_policy_loss,
+    kl_penalty,
+    loss_reducer,
+    policy_loss,
+    ppo_kl,
+    tis_weights,
+    value_loss,
+)
+from vime_engine.config import EngineConfig
+
+
+@dataclass
+class MicroBatchTargets:
+    """Per-token tensors of one micro-batch fixed before the optimizer step (flat layout)."""
+
+    response_lengths: list[int]
+    loss_mask: Tensor
+    advantages: Tensor
+    old_log_probs: Tensor  # the trainer's own log-probs before this rollout's updates
+    rollout_log_probs: Tensor  # what vLLM reported while sampling
+    ref_log_probs: Tensor | None = None
+    returns: Tensor | None = None  # ppo critic targets
+    old_values: Tensor | None = None
+
+
+@dataclass
+class MicroBatchOutputs:
+    log_probs: Tensor
+    logits_for_entropy: Tensor | None = None  # [N, V] response logits after temperature
+    values: Tensor | None = None
+
+
+def micro_batch_loss(
+    cfg: EngineConfig,
+    out: MicroBatchOutputs,
+    tgt: MicroBatchTargets,
+    global_num_tokens: int,
+    global_num_samples: int,
+) -> tuple[Tensor, dict[str, float]]:
+    """Loss of one micro-batch (its share of the global batch) and its share of each metric."""
+    alg = cfg.algorithm
+    reduce = loss_reducer(
+        tgt.response_lengths, tgt.loss_mask, alg.calculate_per_token_loss, global_num_tokens, global_num_samples
+    )
+    if alg.advantage_estimator == "gspo":
+        pg, clipped = gspo_policy_loss(
+            out.log_probs, tgt.old_log_probs, tgt.advantages, tgt.response_lengths, tgt.loss_mask,
+            alg.eps_clip, cfg.eps_clip_high,
+        )
+    else:
+        pg, clipped = policy_loss(
+            out.log_probs, tgt.old_log_probs, tgt.advantages, alg.eps_clip, cfg.eps_clip_high, alg.eps_clip_c
+        )
+    if alg.use_tis:
+        pg = pg * tis_weights(tgt.old_log_probs, tgt.rollout_log_probs, alg.tis_clip)
+
+    pg_loss = reduce(pg)
+    loss = pg_loss
+    metrics = {
+        "train/pg_loss": pg_loss.item(),
+        "train/pg_clipfrac": reduce(clipped).item(),
+        "train/ppo_kl": reduce(ppo_kl(out.log_probs.detach(), tgt.old_log_probs)).item(),
+        "train/train_rollout_logprob_abs_diff": reduce((tgt.old_log_probs - tgt.rollout_log_probs).abs()).item(),
+    }
+    if out.logits_for_entropy is not None:
+        entropy = reduce(entropy_from_logits(out.logits_for_entropy))
+        loss = loss - alg.entropy_coef * entropy
+        metrics["train/entropy_loss"] = entropy.item()
+    if alg.use_kl_loss:
+        kl = reduce(kl_penalty(out.log_probs, tgt.ref_log_probs, alg.kl_loss_type))
+        loss = loss + alg.kl_loss_coef * kl
+        metrics["train/kl_loss"] = kl.item()
+    if out.values is not None:
+        vf = reduce(value_loss(out.values, tgt.old_values, tgt.returns, alg.value_clip))
+        loss = loss + vf
+        metrics["train/value_loss"] = vf.item()
+    return loss, metrics
+
+
+def needs_reference(cfg: EngineConfig) -> bool:
+    alg = cfg.algorithm
+    return alg.use_kl_loss or (alg.kl_coef > 0 and alg.advantage_estimator != "grpo")
+
+
+def response_log_probs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+    """log p(token) under softmax(logits / T): the same quantity vLLM reports as processed log-probs."""
+    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,250 @@
+"""Training backend `torch`: an HF transformers causal LM with a torch AdamW optimizer.
+
+Contract shared with the Megatron backend: build from an HF directory, per-token log-probs of responses,
+`train_rollout(samples)` (advantages → optimizer steps over global batches → metrics), the weights as a
+named-tensor stream in HF names for the rollout engine, a resumable `state_dict`, and `save_hf`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from vime_engine.algorithms.advantages import AdvantageInputs, compute_advantages
+from vime_engine.algorithms.losses import kl_penalty
+from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
+from vime_engine.config import EngineConfig
+from vime_engine.sample import Sample
+from vime_engine.train.objective import (
+    MicroBatchOutputs,
+    MicroBatchTargets,
+    micro_batch_loss,
+    needs_reference,
+    response_log_probs,
+)
+
+
+class ValueHead(nn.Module):
+    """PPO critic: the policy's architecture with a scalar head on the last hidden state."""
+
+    def __init__(self, model_path: str, dtype: torch.dtype):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.body = AutoModel.from_pretrained(model_path, torch_dtype=dtype)
+        self.head = nn.Linear(self.body.config.hidden_size, 1, dtype=dtype)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden).squeeze(-1)
+
+
+class TorchTrainBackend:
+    def __init__(self, cfg: EngineConfig, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.device = torch.device(device)
+        dtype = getattr(torch, cfg.model.dtype)
+        torch.manual_seed(cfg.train.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.hf_checkpoint, torch_dtype=dtype).to(self.device)
+        self.model.train()
+        self.ref_model = None
+        if needs_reference(cfg):
+            ref_path = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
+            self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, torch_dtype=dtype).to(self.device).eval()
+            self.ref_model.requires_grad_(False)
+        self.critic = None
+        params = list(self.model.parameters())
+        if cfg.algorithm.advantage_estimator == "ppo":
+            self.critic = ValueHead(cfg.model.hf_checkpoint, dtype).to(self.device)
+            params += list(self.critic.parameters())
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(
+            params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
+        )
+        total_steps = max(1, cfg.rollout.num_rollout * (cfg.samples_per_rollout // cfg.global_batch_size))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total_steps))
+
+    # -- forward passes -----------------------------------------------------------------------------------------
+    def _forward(self, model: nn.Module, samples: list[Sample], with_logits: bool) -> tuple[Tensor, Tensor | None]:
+        """Flat response log-probs of `samples` (one padded batch) and, if asked, their response logits / T."""
+        input_ids, attention_mask = _pad([s.prompt_tokens + s.response_tokens for s in samples], self.device)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        positions = _response_positions(samples, self.device)
+        rows = torch.repeat_interleave(
+            torch.arange(len(samples), device=self.device),
+            torch.tensor([s.response_length for s in samples], device=self.device),
+        )
+        response_logits = logits[rows, positions - 1]  # the logit at t-1 predicts token t
+        tokens = input_ids[rows, positions]
+        temperature = self.cfg.rollout.rollout_temperature
+        log_probs = response_log_probs(response_logits, tokens, temperature)
+        return log_probs, (response_logits.float() / temperature if with_logits else None)
+
+    def _values(self, samples: list[Sample]) -> Tensor:
+        input_ids, attention_mask = _pad([s.prompt_tokens + s.response_tokens for s in samples], self.device)
+        values = self.critic(input_ids, attention_mask)
+        positions = _response_positions(samples, self.device)
+        rows = torch.repeat_interleave(
+            torch.arange(len(samples), device=self.device),
+            torch.tensor([s.response_length for s in samples], device=self.device),
+        )
+        return values[rows, positions - 1]
+
+    @torch.no_grad()
+    def _batched(self, fn, samples: list[Sample]) -> Tensor:
+        return torch.cat([fn([samples[i] for i in mb]) for mb in self._micro_batches(samples)])
+
+    def log_probs(self, samples: list[Sample]) -> Tensor:
+        """Current policy's flat response log-probs (no gradient)."""
+        return self._batched(lambda mb: self._forward(self.model, mb, with_logits=False)[0], samples)
+
+    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+        t = self.cfg.train
+        if t.use_dynamic_batch_size:
+            return pack_by_token_budget([s.total_length for s in samples], t.max_tokens_per_gpu)
+        return fixed_size_micro_batches(len(samples), t.micro_batch_size)
+
+    # -- one rollout's training ---------------------------------------------------------------------------------
+    def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
+        """Advantages for the whole rollout, then one optimizer step per global batch; averaged metrics."""
+        cfg, alg = self.cfg, self.cfg.algorithm
+        lengths = [s.response_length for s in samples]
+        mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float32, device=self.device)
+        old_lp = self.log_probs(samples)
+        ref_lp = None
+        if self.ref_model is not None:
+            ref_lp = self._batched(lambda mb: self._forward(self.ref_model, mb, with_logits=False)[0], samples)
+        old_values = self._batched(self._values, samples) if self.critic is not None else None
+        result = compute_advantages(
+            alg.advantage_estimator,
+            AdvantageInputs(
+                rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32, device=self.device),
+                response_lengths=lengths, loss_mask=mask, group_size=cfg.rollout.n_samples_per_prompt,
+                kl=kl_penalty(old_lp, ref_lp, "k1") if ref_lp is not None else torch.zeros_like(old_lp),
+                values=old_values,
+            ),
+            normalize_std=not alg.disable_grpo_std_normalization, kl_coef=alg.kl_coef, gamma=alg.gamma,
+            lam=alg.lambd, normalize_advantages=alg.normalize_advantages,
+        )
+        rollout_lp = torch.tensor([x for s in samples for x in s.rollout_log_probs], device=self.device)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+
+        def targets(indices: list[int]) -> MicroBatchTargets:
+            idx = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in indices]).to(self.device)
+            pick = lambda t: None if t is None else t[idx]  # noqa: E731
+            return MicroBatchTargets(
+                response_lengths=[lengths[i] for i in indices], loss_mask=mask[idx],
+                advantages=result.advantages[idx], old_log_probs=old_lp[idx], rollout_log_probs=rollout_lp[idx],
+                ref_log_probs=pick(ref_lp), returns=pick(result.returns), old_values=pick(old_values),
+            )
+
+        totals: dict[str, float] = {}
+        gbs = cfg.global_batch_size
+        steps = [list(range(start, start + gbs)) for start in range(0, len(samples), gbs)]
+        for step in steps:
+            step_metrics = self._optimizer_step([samples[i] for i in step], step, targets, mask, offsets)
+            for key, value in step_metrics.items():
+                totals[key] = totals.get(key, 0.0) + value / len(steps)
+        totals["train/lr"] = self.scheduler.get_last_lr()[0]
+        return totals
+
+    def _optimizer_step(self, step_samples, step_indices, targets, mask, offsets) -> dict[str, float]:
+        global_tokens = int(sum(mask[offsets[i]:offsets[i + 1]].sum().item() for i in step_indices))
+        metrics: dict[str, float] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb in self._micro_batches(step_samples):
+            mb_samples = [step_samples[i] for i in mb]
+            log_probs, logits = self._forward(self.model, mb_samples, with_logits=True)
+            values = self._values(mb_samples) if self.critic is not None else None
+            loss, mb_metrics = micro_batch_loss(
+                self.cfg, MicroBatchOutputs(log_probs, logits, values), targets([step_indices[i] for i in mb]),
+                global_num_tokens=max(global_tokens, 1), global_num_samples=len(step_samples),
+            )
+            loss.backward()
+            for key, value in mb_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + value
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        max_norm = self.cfg.train.clip_grad if self.cfg.train.clip_grad > 0 else math.inf
+        metrics["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        self.optimizer.step()
+        self.scheduler.step()
+        return metrics
+
+    # -- weights out --------------------------------------------------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The policy's weights in HF names; `lm_head.weight` always included (vLLM needs it even when tied)."""
+        state = self.model.state_dict()
+        if "lm_head.weight" not in state:
+            state["lm_head.weight"] = self.model.get_output_embeddings().weight
+        for name, tensor in state.items():
+            yield name, tensor.detach()
+
+    def save_hf(self, directory: str | Path, tokenizer_from: str | None = None) -> Path:
+        from transformers import AutoTokenizer
+
+        directory = Path(directory)
+        self.model.save_pretrained(directory, safe_serialization=True)
+        AutoTokenizer.from_pretrained(tokenizer_from or self.cfg.model.hf_checkpoint).save_pretrained(directory)
+        return directory
+
+    # -- resumable state ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
+
+
+def _pad(sequences: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    longest = max(len(s) for s in sequences)
+    input_ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+    attention_mask = torch.zeros(len(sequences), longest, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        input_ids[row, : len(seq)] = torch.tensor(seq)
+        attention_mask[row, : len(seq)] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _response_positions(samples: list[Sample], device: torch.device) -> Tensor:
+    return torch.cat(
+        [torch.arange(len(s.prompt_tokens), s.total_length) for s in samples]
+    ).to(device)
+
+
+def _lr_lambda(cfg: EngineConfig, total_steps: int):
+    t = cfg.train
+    floor = t.min_lr / t.lr
+
+    def factor(step: int) -> float:
+        if step < t.lr_warmup_iters:
+            return (step + 1) / t.lr_warmup_iters
+        if t.lr_decay_style == "constant":
+            return 1.0
+        progress = min(1.0, (step - t.lr_warmup_iters) / max(1, total_steps - t.lr_warmup_iters))
+        if t.lr_decay_style == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
