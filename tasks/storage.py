@@ -188,8 +188,8 @@ class Storage(ABC):
         local_dir = Path(local_dir)
         digests = digest_tree(local_dir, lambda n: part_size_for(n, self.multipart_threshold))
         manifest_key = join_key(prefix, MANIFEST_NAME)
-        if self.exists(manifest_key):
-            self._retry(lambda: self._delete_keys([manifest_key]))
+        # Unconditional (deleting a missing key succeeds): one request, and a refusal comes with an error body.
+        self._retry(lambda: self._delete_keys([manifest_key]))
         uploaded = self.put_tree(local_dir, prefix, digests, skip_existing=True)
         remote = {o.key: o for o in self.list(join_key(prefix) + "/")}
         bad = [rel for rel, d in digests.items() if not self._object_matches(remote.get(join_key(prefix, rel)), d)]

@@ -34,6 +34,9 @@ _TRANSIENT_BOTO = (bce.EndpointConnectionError, bce.ConnectionClosedError, bce.R
                    bce.ConnectTimeoutError, bce.ResponseStreamingError, bce.IncompleteReadError,
                    bce.HTTPClientError, RetriesExceededError, Urllib3HTTPError, ConnectionError, TimeoutError)
 
+_HTTP_REASONS = {403: "Forbidden (check the credentials and the bucket policy)", 404: "Not Found",
+                 400: "Bad Request"}
+
 
 class S3Storage(Storage):
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
@@ -83,8 +86,11 @@ class S3Storage(Storage):
             raise
         except bce.ClientError as exc:
             err, meta = exc.response.get("Error", {}), exc.response.get("ResponseMetadata", {})
-            raise classify(op, self.uri(key), status=meta.get("HTTPStatusCode"), code=err.get("Code"),
-                           message=err.get("Message", ""), secrets=self._secrets) from None
+            status = meta.get("HTTPStatusCode")
+            # HEAD responses have no body: the code is just the status; say what it means.
+            message = err.get("Message") or _HTTP_REASONS.get(status, "")
+            raise classify(op, self.uri(key), status=status, code=err.get("Code"), message=message,
+                           secrets=self._secrets) from None
         except (bce.NoCredentialsError, bce.PartialCredentialsError, bce.ParamValidationError) as exc:
             raise PermanentStorageError(op, self.uri(key), code=type(exc).__name__, message=str(exc),
                                         secrets=self._secrets) from None

@@ -1,0 +1,3 @@
+from tests.support.s3_fixtures import (  # noqa: F401  (storage fixtures: moto, fault proxy, HF Hub server)
+    fault_proxy, hf_endpoint, hf_hub, make_bucket, moto_endpoint, storage_env,
+)
