@@ -48,6 +48,12 @@ def join_key(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
 
 
+def dir_prefix(prefix: str) -> str:
+    """``prefix`` as a directory for listing: "a/b" -> "a/b/", "" -> "" (the whole root)."""
+    p = join_key(prefix)
+    return p + "/" if p else ""
+
+
 class Storage(ABC):
     """Common tree logic over backend primitives. Subclasses set ``root_uri`` and implement the primitives."""
 
@@ -122,8 +128,7 @@ class Storage(ABC):
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object under ``prefix`` (a directory-like prefix); returns how many."""
-        p = join_key(prefix)
-        keys = [o.key for o in self.list(p + "/" if p else "")]
+        keys = [o.key for o in self.list(dir_prefix(prefix))]
         if keys:
             self._retry(lambda: self._delete_keys(keys))
         return len(keys)
@@ -148,7 +153,7 @@ class Storage(ABC):
             digests = digest_tree(local_dir, lambda n: part_size_for(n, self.multipart_threshold))
         todo = dict(digests)
         if skip_existing:
-            remote = {o.key: o for o in self.list(join_key(prefix) + "/")}
+            remote = {o.key: o for o in self.list(dir_prefix(prefix))}
             todo = {rel: d for rel, d in digests.items()
                     if not self._object_matches(remote.get(join_key(prefix, rel)), d)}
         with ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="put") as pool:
@@ -160,7 +165,7 @@ class Storage(ABC):
     def get_tree(self, prefix: str, local_dir: Path) -> list[str]:
         """Download every object under ``prefix`` into ``local_dir`` (no manifest check); returns relpaths."""
         base = join_key(prefix)
-        objs = self.list(base + "/" if base else "")
+        objs = self.list(dir_prefix(base))
         rels = {o.key[len(base) + 1 if base else 0:]: o for o in objs}
         self._download_many({check_relpath(r): (o.key, o.size) for r, o in rels.items()}, Path(local_dir))
         return sorted(rels)
@@ -191,7 +196,7 @@ class Storage(ABC):
         # Unconditional (deleting a missing key succeeds): one request, and a refusal comes with an error body.
         self._retry(lambda: self._delete_keys([manifest_key]))
         uploaded = self.put_tree(local_dir, prefix, digests, skip_existing=True)
-        remote = {o.key: o for o in self.list(join_key(prefix) + "/")}
+        remote = {o.key: o for o in self.list(dir_prefix(prefix))}
         bad = [rel for rel, d in digests.items() if not self._object_matches(remote.get(join_key(prefix, rel)), d)]
         if bad:
             raise IntegrityError("commit_tree", self.uri(prefix),

@@ -2,7 +2,7 @@
 
 Endpoints (models and datasets; ``{type}`` is ``models`` or ``datasets``):
 
-- ``GET /api/{type}/{org}/{name}/revision/{rev}``: repo info with the resolved commit ``sha`` and
+- ``GET /api/{type}/{org}/{name}[/revision/{rev}]``: repo info with the resolved commit ``sha`` and
   ``siblings``;
 - ``GET /api/{type}/{org}/{name}/tree/{rev}[/{path}]?recursive=...``: the file listing (path, size, git
   blob ``oid``);
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
-_API = re.compile(r"^/api/(models|datasets)/([^/]+/[^/]+)/(revision|tree)/([^/]+)(?:/(.*))?$")
+_API = re.compile(r"^/api/(models|datasets)/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+)(?:/(.*))?)?$")
 _RESOLVE = re.compile(r"^/(datasets/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
 
 
@@ -116,6 +116,7 @@ class HfHubServer:
                     hub.requests.append((self.command, path))
                 if m := _API.match(path):
                     kind, repo_id, what, rev, sub = m.groups()
+                    what, rev = what or "revision", rev or "main"
                     sha, files = self._lookup(kind[:-1], repo_id, rev)
                     if sha is None:
                         return
