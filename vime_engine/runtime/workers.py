@@ -1,7 +1,8 @@
 """Placing the trainer and the rollout engine on Ray, colocated or disaggregated, behind one facade.
 
 Colocated: one actor holds both; weights move in process memory. Disaggregated: a trainer actor and a rollout
-actor; weights move through Ray's object store (the collective-broadcast path for multi-device is separate).
+actor; weights move through Ray's object store or a bucketed collective broadcast (`--weight-sync`, see
+vime_engine.weight_sync.strategies).
 Both return Ray futures for generation so the driver can overlap generation with training (async mode).
 """
 
@@ -18,6 +19,10 @@ from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
 from vime_engine.runtime.devices import Accelerator
 from vime_engine.sample import Sample
 from vime_engine.train.torch_backend import TorchTrainBackend
+from vime_engine.weight_sync.buckets import TensorSpec, specs_of
+from vime_engine.weight_sync.endpoints import BroadcastReceiver, BroadcastSender, load_into_engine
+from vime_engine.weight_sync.group import GroupAddress
+from vime_engine.weight_sync.strategies import DEFAULT_BUCKET_MB, make_weight_sync
 
 
 def build_trainer(cfg: EngineConfig, device: str) -> TorchTrainBackend:
@@ -31,6 +36,8 @@ class TrainerActor:
 
     def __init__(self, cfg: EngineConfig, device: str):
         self.backend = build_trainer(cfg, device)
+        self.device = device
+        self.sender: BroadcastSender | None = None
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         return self.backend.train_rollout(samples)
@@ -40,6 +47,28 @@ class TrainerActor:
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.backend, method)(*args)
+
+    def weight_specs(self) -> list[TensorSpec]:
+        return specs_of(self.backend.named_weights())
+
+    def open_weight_sender(self, dist_backend: str, bucket_bytes: int) -> GroupAddress:
+        self.sender = BroadcastSender(dist_backend, self.device, bucket_bytes)
+        return self.sender.address
+
+    def send_weights(self, version: int) -> int:
+        return self.sender.send(self.backend.named_weights(), version)
+
+
+class RolloutActor(RolloutWorker):
+    """The disaggregated rollout engine; adds the receiving end of the broadcast weight sync."""
+
+    receiver: BroadcastReceiver | None = None
+
+    def open_weight_receiver(self, address: GroupAddress, specs: list[TensorSpec], bucket_bytes: int, device: str):
+        self.receiver = BroadcastReceiver(address, specs, bucket_bytes, device)
+
+    def receive_weights(self, version: int) -> float:
+        return load_into_engine(self.engine, self.receiver.stream(version), version)
 
 
 class ColocatedActor(TrainerActor):
@@ -59,7 +88,7 @@ class ColocatedActor(TrainerActor):
 class Workers:
     """The driver's view of the actors, identical for both placements."""
 
-    def __init__(self, cfg: EngineConfig, accel: Accelerator):
+    def __init__(self, cfg: EngineConfig, accel: Accelerator, weight_sync: str | None = None):
         env = {"runtime_env": {"env_vars": dict(accel.actor_env)}}
         kv_cache_bytes = int(cfg.rollout.vllm_kv_cache_gb * 2**30) if accel.kind == "cpu" else None
         resources = {"num_gpus": 1} if accel.ray_resource == "GPU" else (
@@ -71,7 +100,13 @@ class Workers:
             self.trainer = self.rollout = actor
         else:
             self.trainer = ray.remote(TrainerActor).options(**env, **resources).remote(cfg, accel.torch_device)
-            self.rollout = ray.remote(RolloutWorker).options(**env, **resources).remote(cfg, kv_cache_bytes)
+            self.rollout = ray.remote(RolloutActor).options(**env, **resources).remote(cfg, kv_cache_bytes)
+        # Proposed flags (placement section): --weight-sync object_store|broadcast, --weight-sync-bucket-mb.
+        self.weight_sync = make_weight_sync(
+            weight_sync or getattr(cfg.placement, "weight_sync", "object_store"), self.trainer, self.rollout,
+            self.colocated, accel.dist_backend, accel.torch_device,
+            getattr(cfg.placement, "weight_sync_bucket_mb", DEFAULT_BUCKET_MB),
+        )
 
     def generate(self, records: list[PromptRecord], rollout_id: int, first_group: int, plan: GenerationPlan):
         """A future of the rewarded samples."""
@@ -82,9 +117,7 @@ class Workers:
 
     def sync_weights(self, version: int) -> float:
         """Push the trainer's weights to the rollout engine; seconds spent inside the engine's reload."""
-        if self.colocated:
-            return ray.get(self.rollout.sync_weights.remote(version))
-        return ray.get(self.rollout.update_weights.remote(self.trainer.weights.remote(), version))
+        return self.weight_sync.sync(version)
 
     def trainer_call(self, method: str, *args: Any) -> Any:
         return ray.get(self.trainer.call.remote(method, *args))
