@@ -278,9 +278,17 @@ def swr_login_credentials(ak: str, sk: str, project_id: str, region: str, *,
     from huaweicloudsdkswr.v2 import CreateSecretRequest, SwrClient
     from huaweicloudsdkswr.v2.region.swr_region import SwrRegion
 
+    from huaweicloudsdkcore.exceptions.exceptions import SdkException, ServiceResponseException
+
     builder = SwrClient.new_builder().with_credentials(BasicCredentials(ak, sk, project_id))
     builder = builder.with_endpoints([endpoint]) if endpoint else builder.with_region(SwrRegion.value_of(region))
-    response = builder.build().create_secret(CreateSecretRequest())
+    try:
+        response = builder.build().create_secret(CreateSecretRequest())
+    except ServiceResponseException as exc:
+        raise RegistryAuthError(f"SWR temporary login failed (HTTP {exc.status_code}, {exc.error_code}): "
+                                f"{exc.error_msg}") from None
+    except SdkException as exc:
+        raise RegistryError(f"SWR temporary login failed: {type(exc).__name__}") from None
     return {host: credentials_from_auth_entry(info.to_dict()) for host, info in (response.auths or {}).items()}
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, Field, SecretStr, field_validator
 
 from tasks.modelarts_logs import LogTail
+from tasks.storage_errors import redact
 
 log = logging.getLogger("vimeflow.modelarts")
 
@@ -91,13 +92,6 @@ class ModelArtsError(Exception):
     @property
     def transient(self) -> bool:
         return self.status is None or self.status >= 500 or self.status == 429
-
-
-def redact(text: str, secrets: tuple[str, ...] | list[str]) -> str:
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "***")
-    return text
 
 
 def _call(client, op: str, method: str, request):

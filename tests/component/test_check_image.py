@@ -220,6 +220,13 @@ def test_swr_temporary_login_through_the_sdk(registries, token_service):
     assert info.digest == reg.digests["npu"]
 
 
+def test_swr_login_refused_is_an_auth_error(token_service):
+    with pytest.raises(RegistryAuthError) as err:
+        swr_login_credentials("AKWRONG", "sk-swr-secret-7", "proj-0001", "cn-north-4", endpoint=token_service.url)
+    assert "SWR temporary login failed (HTTP 401, SVCSTG.SWR.4010001)" in str(err.value)
+    assert "sk-swr-secret-7" not in str(err.value)
+
+
 # ---------------------------------------------------------------- pure parts
 
 

@@ -78,6 +78,7 @@ class TokenService:
     scopes_requested: list[str] = field(default_factory=list)
     swr_authorizations: list[str] = field(default_factory=list)
     swr_registry_host: str = ""
+    swr_ak: str = "AKTESTSWR0001"  # the only access key SWR's login API accepts
 
     def __post_init__(self) -> None:
         self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -165,7 +166,10 @@ def _handler_for(service: TokenService) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802
             if urlparse(self.path).path != "/v2/manage/utils/secret":
                 return self._json(404, {"error_code": "SVCSTG.SWR.4040000", "error_msg": "not found"})
-            service.swr_authorizations.append(self.headers.get("Authorization", ""))
+            authorization = self.headers.get("Authorization", "")
+            service.swr_authorizations.append(authorization)
+            if not authorization.startswith(f"SDK-HMAC-SHA256 Access={service.swr_ak},"):
+                return self._json(401, {"error_code": "SVCSTG.SWR.4010001", "error_msg": "Authenticate failed"})
             auth = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
             self._json(200, {"auths": {service.swr_registry_host: {"auth": auth}}},
                        {"X-Swr-Dockerlogin": f"docker login -u {USER} -p *** {service.swr_registry_host}",
