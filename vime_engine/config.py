@@ -100,6 +100,7 @@ class TrainConfig(_Section):
     lr: float = Field(1e-6, gt=0)
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     lr_warmup_iters: int = Field(0, ge=0)
+    lr_decay_iters: int | None = Field(None, ge=1, description="optimizer steps of the decay; default: the whole run")
     min_lr: float = Field(0.0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     adam_beta1: float = 0.9
@@ -241,17 +242,28 @@ class EngineConfig(BaseModel):
         out.update({f"megatron.{k}": v for k, v in self.megatron.items()})
         return out
 
-    def math_hash(self) -> str:
-        """sha256 over the fields that change the math; equal hashes → a checkpoint can be resumed."""
-        math = {k: v for k, v in self.flat().items() if k not in NON_MATH_FIELDS}
-        return hashlib.sha256(json.dumps(math, sort_keys=True, default=str).encode()).hexdigest()
+    def _non_math_fields(self) -> set[str]:
+        # The run length sets the LR schedule's length unless the LR is constant or the decay length is given.
+        if self.train.lr_decay_style != "constant" and self.train.lr_decay_iters is None:
+            return NON_MATH_FIELDS - {"num_rollout"}
+        return NON_MATH_FIELDS
 
-    def math_diff(self, other: dict[str, Any]) -> list[str]:
-        """Flags whose values differ from `other` (a `flat()` dict) in fields that change the math."""
-        mine = self.flat()
-        keys = (set(mine) | set(other)) - NON_MATH_FIELDS
+    def math_fields(self) -> dict[str, Any]:
+        """The fields that change the trained weights; a checkpoint resumes only under equal values."""
+        skip = self._non_math_fields()
+        return {k: v for k, v in self.flat().items() if k not in skip}
+
+    def math_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.math_fields(), sort_keys=True, default=str).encode()).hexdigest()
+
+    def math_diff(self, saved_math_fields: dict[str, Any]) -> list[str]:
+        """`--flag: saved -> now` for every math field that differs from a checkpoint's `math_fields()`."""
+        mine = json.loads(json.dumps(self.math_fields(), default=str))
+        keys = set(mine) | set(saved_math_fields)
         return sorted(
-            f"{_flag(k)}: {other.get(k)!r} -> {mine.get(k)!r}" for k in keys if mine.get(k) != other.get(k)
+            f"{_flag(k)}: {saved_math_fields.get(k)!r} -> {mine.get(k)!r}"
+            for k in keys
+            if mine.get(k) != saved_math_fields.get(k)
         )
 
     def with_overrides(self, **flat_values: Any) -> EngineConfig:

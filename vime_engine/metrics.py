@@ -51,6 +51,12 @@ class MetricsSink:
         if self.wandb is not None:
             self.wandb.log(record, step=rollout_id)
 
+    def rewrite(self, history: list[dict[str, Any]]) -> None:
+        """Make metrics.jsonl hold exactly `history` (a resumed run drops what came after its checkpoint)."""
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(record, sort_keys=True) + "\n" for record in history))
+        tmp.replace(self.path)
+
     def history(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []

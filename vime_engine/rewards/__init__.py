@@ -3,10 +3,11 @@ from `--custom-rm-path`."""
 
 from __future__ import annotations
 
+from vime_engine.rewards.boxed import last_boxed_content
 from vime_engine.rewards.custom import RewardFn, load_custom_reward
-from vime_engine.rewards.dapo import dapo_reward
-from vime_engine.rewards.deepscaler import deepscaler_reward
-from vime_engine.rewards.gsm8k import gsm8k_reward
+from vime_engine.rewards.dapo import answer_line, dapo_reward
+from vime_engine.rewards.deepscaler import THINK_END, deepscaler_reward
+from vime_engine.rewards.gsm8k import final_number, gsm8k_reward
 from vime_engine.rewards.math import math_reward
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
@@ -31,4 +32,20 @@ def get_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
         ) from None
 
 
-__all__ = ["BUILTIN_REWARDS", "RewardFn", "get_reward_fn"]
+def extract_answer(rm_type: str, response: str) -> str | None:
+    """The answer a built-in reward grades, for reports; None when it finds none (or for custom rewards)."""
+    if rm_type == "gsm8k":
+        value = final_number(response)
+        return None if value is None else str(value)
+    if rm_type == "dapo":
+        return answer_line(response)
+    if rm_type == "deepscaler":
+        _, separator, response = response.rpartition(THINK_END)
+        if not separator:
+            return None
+    if rm_type in ("math", "deepscaler"):
+        return last_boxed_content(response)
+    return None
+
+
+__all__ = ["BUILTIN_REWARDS", "RewardFn", "extract_answer", "get_reward_fn"]

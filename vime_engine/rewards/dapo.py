@@ -29,13 +29,19 @@ _NUMBER = re.compile(r"-?\d+(\.\d+)?")
 def dapo_reward(response: str, label: str) -> float:
     """+1.0 if the last `Answer: X` line in the response's last 300 characters matches the
     label after normalisation, -1.0 otherwise (no answer line included)."""
-    matches = _ANSWER_LINE.findall(response[-TAIL_CHARS:])
-    if not matches:
+    line = answer_line(response)
+    if line is None:
         return INCORRECT
-    answer, gold = normalise_answer(matches[-1]), normalise_answer(label)
+    answer, gold = normalise_answer(line), normalise_answer(label)
     if _NUMBER.fullmatch(answer) and _NUMBER.fullmatch(gold):
         return CORRECT if Fraction(answer) == Fraction(gold) else INCORRECT
     return CORRECT if answer == gold else INCORRECT
+
+
+def answer_line(response: str) -> str | None:
+    """The text of the last `Answer:` line within the response's last 300 characters."""
+    matches = _ANSWER_LINE.findall(response[-TAIL_CHARS:])
+    return matches[-1].strip() if matches else None
 
 
 def normalise_answer(text: str) -> str:

@@ -19,14 +19,14 @@ def gsm8k_reward(response: str, label: str) -> float:
     anywhere in it (so "2 + 3 = 5." gives 5). Numbers compare by exact value after dropping
     `$` and thousands separators: `3.0` equals `3`, `1,000` equals `1000`.
     """
-    gold = _final_number(label)
+    gold = final_number(label)
     if gold is None:
         raise ValueError(f"gsm8k reward: the label {label!r} holds no number")
-    answer = _final_number(response)
+    answer = final_number(response)
     return 1.0 if answer is not None and answer == gold else 0.0
 
 
-def _final_number(text: str) -> Fraction | None:
+def final_number(text: str) -> Fraction | None:
     """The value of the last `#### N` line's number, else of the last number in `text`."""
     final_lines = _FINAL_LINE.findall(text)
     if final_lines:

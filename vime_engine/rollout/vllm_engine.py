@@ -51,11 +51,16 @@ class VLLMEngine:
         extra = {}
         if settings.kv_cache_bytes is not None:
             extra["kv_cache_memory_bytes"] = settings.kv_cache_bytes
+        max_model_len = settings.max_model_len or _model_max_positions(settings.model_path)
         self.llm = LLM(
             model=settings.model_path,
             dtype=settings.dtype,
             seed=settings.seed,
-            max_model_len=settings.max_model_len,
+            max_model_len=max_model_len,
+            # Whole prompts only: a prompt split across steps makes vLLM rewind seeded generators, which CPU
+            # generators cannot do, and ties a sample's randomness to what else was in the batch.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(max_model_len, 16384),
             enforce_eager=True,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             tensor_parallel_size=settings.tensor_parallel_size,
@@ -90,6 +95,14 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.weight_version = version
         return time.perf_counter() - start
+
+
+def _model_max_positions(model_path: str) -> int:
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 2048))
 
 
 def _completion(choice) -> Completion:

@@ -15,7 +15,7 @@ import torch
 from vime_engine.config import EngineConfig
 from vime_engine.data.chat import render_prompt
 from vime_engine.data.records import PromptRecord
-from vime_engine.rewards import get_reward_fn
+from vime_engine.rewards import extract_answer, get_reward_fn
 from vime_engine.rollout.vllm_engine import EngineSettings, SamplingSettings, VLLMEngine
 from vime_engine.sample import Sample
 
@@ -27,6 +27,7 @@ class GenerationPlan:
     sampling: SamplingSettings
     n_samples: int
     seed_namespace: str  # "train" or "eval/NAME": keeps eval draws independent of training draws
+    rm_type: str | None = None  # None: the run's reward (--rm-type / --custom-rm-path)
 
 
 def group_seed(rollout_seed: int, namespace: str, rollout_id: int, index: int) -> int:
@@ -70,11 +71,11 @@ class RolloutWorker:
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def generate(
-        self, records: list[PromptRecord], rollout_id: int, first_group: int, plan: GenerationPlan,
-        reward_fn=None,
+        self, records: list[PromptRecord], rollout_id: int, first_group: int, plan: GenerationPlan
     ) -> list[Sample]:
         """`plan.n_samples` rewarded samples per record; groups numbered from `first_group`."""
-        reward_fn = reward_fn or self.reward_fn
+        rm_type = plan.rm_type or self.cfg.reward.rm_type
+        reward_fn = get_reward_fn(plan.rm_type) if plan.rm_type else self.reward_fn
         prompts = [self.tokenize(r) for r in records]
         seeds = [
             group_seed(self.cfg.data.rollout_seed, plan.seed_namespace, rollout_id, first_group + i)
@@ -90,7 +91,7 @@ class RolloutWorker:
                         response_tokens=c.token_ids, response=c.text, rollout_log_probs=c.log_probs,
                         loss_mask=[1] * len(c.token_ids), reward=float(reward_fn(c.text, record.label)),
                         status=c.status, weight_version=self.engine.weight_version,
-                        metadata=dict(record.metadata),
+                        metadata={**record.metadata, "extracted_answer": extract_answer(rm_type, c.text)},
                     )
                 )
         return samples

@@ -1,4 +1,8 @@
-"""The RL driver loop: generate → train → sync weights → log, one rollout at a time."""
+"""The RL driver loop: generate → train → sync weights → log → eval → save, one rollout at a time.
+
+The loop owns no math; it sequences the workers and keeps the state that a checkpoint must carry
+(see `RunState`). Everything that sets up or tears down a run lives in `runtime/run_state.py`.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-
 from vime_engine.config import EngineConfig
-from vime_engine.data.datasets import load_prompt_dataset
-from vime_engine.data.source import DataSource
-from vime_engine.metrics import MetricsSink, rollout_metrics
-from vime_engine.rollout.worker import train_plan
+from vime_engine.metrics import rollout_metrics
+from vime_engine.rollout.dynamic_sampling import collect_groups
 from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.devices import resolve_accelerator
+from vime_engine.runtime.preemption import Preempted, PreemptionGuard
+from vime_engine.runtime.run_state import RunContext, run_evaluations
 from vime_engine.runtime.workers import Workers
 
 RolloutCallback = Callable[[int, dict[str, Any]], None]
@@ -25,58 +27,62 @@ RolloutCallback = Callable[[int, dict[str, Any]], None]
 class RunResult:
     rollouts_done: list[int] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: Any = None  # CheckpointRef of the last save, if any
+    eval_metrics: dict[str, float] = field(default_factory=dict)
 
 
-def train(cfg: EngineConfig, on_rollout: RolloutCallback | None = None) -> RunResult:
-    """Run rollouts 0 … num_rollout-1 on a Ray cluster and return the per-rollout metrics."""
-    accel = resolve_accelerator(cfg.placement.device)
-    d, r = cfg.data, cfg.rollout
-    data = DataSource(load_prompt_dataset(d.prompt_data, d.input_key, d.label_key, d.metadata_key),
-                      shuffle=d.rollout_shuffle, seed=d.rollout_seed)
-    sink = MetricsSink(cfg.logging.output_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb)
-    plan = train_plan(cfg)
-    result = RunResult()
-    with ray_cluster(cfg.placement.ray_address):
-        workers = Workers(cfg, accel)
-        version = 0
-        workers.sync_weights(version)  # the engine starts from the trainer's weights, whatever loaded them
+def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: RolloutCallback | None = None) -> RunResult:
+    """Run rollouts from the resume point (or 0) up to `end_rollout_id` (default `--num-rollout`)."""
+    end = cfg.rollout.num_rollout if end_rollout_id is None else end_rollout_id
+    with ray_cluster(cfg.placement.ray_address), PreemptionGuard() as preemption:
+        ctx = RunContext.open(cfg, Workers(cfg, resolve_accelerator(cfg.placement.device)))
+        state, workers, result = ctx.state, ctx.workers, RunResult(history=list(ctx.state.history))
+        workers.sync_weights(state.weight_version)  # the engine serves the trainer's (possibly resumed) weights
+        if state.next_rollout_id == 0 and cfg.eval_datasets:
+            ctx.log_eval(-1, run_evaluations(cfg, workers, rollout_id=-1))  # the baseline before training
 
-        def start_generation(rollout_id: int):
-            return time.perf_counter(), workers.generate(
-                data.next_batch(r.rollout_batch_size), rollout_id, rollout_id * r.rollout_batch_size, plan
-            )
-
-        pending = start_generation(0) if r.num_rollout else None
-        for rollout_id in range(r.num_rollout):
-            started, future = pending
-            samples = ray.get(future)
-            rollout_time = time.perf_counter() - started
-            last = rollout_id + 1 == r.num_rollout
-            if cfg.placement.async_rollout and not last:
-                pending = start_generation(rollout_id + 1)  # overlaps training; one step off-policy
-
+        for rollout_id in range(state.next_rollout_id, end):
             t0 = time.perf_counter()
-            train_metrics = workers.train(samples)
+            collected = collect_groups(
+                lambda round_: ctx.generate_round(rollout_id, round_),
+                cfg.rollout.rollout_batch_size, ctx.group_filter, state.carry,
+            )
+            samples = collected.samples
+            if cfg.placement.async_rollout and rollout_id + 1 < end:
+                ctx.prefetch(rollout_id + 1)  # generation of the next rollout overlaps this training step
             t1 = time.perf_counter()
-            version += 1
-            workers.sync_weights(version)
-            sync_time = time.perf_counter() - t1
+            train_metrics = workers.train(samples)
+            t2 = time.perf_counter()
+            state.weight_version += 1
+            workers.sync_weights(state.weight_version)
+            t3 = time.perf_counter()
 
-            if not cfg.placement.async_rollout and not last:
-                pending = start_generation(rollout_id + 1)
             metrics = {
                 **rollout_metrics(samples),
                 **train_metrics,
-                "perf/rollout_time": rollout_time,
-                "perf/train_time": t1 - t0,
-                "perf/update_weights_time": sync_time,
-                "perf/tokens_per_sec": sum(s.response_length for s in samples) / rollout_time,
-                "weight_version": version,
+                **{f"rollout/dropped_groups/{reason}": n for reason, n in collected.drops.items()},
+                "perf/rollout_time": t1 - t0,
+                "perf/train_time": t2 - t1,
+                "perf/update_weights_time": t3 - t2,
+                "perf/tokens_per_sec": sum(s.response_length for s in samples) / (t1 - t0),
+                "weight_version": state.weight_version,
             }
-            sink.log(rollout_id, metrics)
+            if ctx.eval_due(rollout_id):
+                metrics.update(run_evaluations(cfg, workers, rollout_id))
+            ctx.log_rollout(rollout_id, metrics)
             result.rollouts_done.append(rollout_id)
-            result.history.append({"rollout_id": rollout_id, **metrics})
             if on_rollout is not None:
                 on_rollout(rollout_id, metrics)
-    sink.close()
+            if ctx.save_due(rollout_id, end) or preemption.requested:
+                result.checkpoint = ctx.save(rollout_id)
+            if preemption.requested:
+                raise Preempted(rollout_id, result.checkpoint)
+
+        if cfg.rollout.num_rollout == 0 and cfg.eval_datasets:  # eval-only run on the loaded weights
+            result.eval_metrics = run_evaluations(cfg, workers, rollout_id=state.next_rollout_id - 1)
+            ctx.log_eval(state.next_rollout_id - 1, result.eval_metrics)
+        if cfg.checkpoint.save_hf:
+            workers.trainer_call("save_hf", cfg.checkpoint.save_hf)
+        result.history = list(state.history)
+        ctx.close()
     return result

@@ -69,7 +69,9 @@ class TorchTrainBackend:
         self.optimizer = torch.optim.AdamW(
             params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
         )
-        total_steps = max(1, cfg.rollout.num_rollout * (cfg.samples_per_rollout // cfg.global_batch_size))
+        total_steps = cfg.train.lr_decay_iters or max(
+            1, cfg.rollout.num_rollout * (cfg.samples_per_rollout // cfg.global_batch_size)
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total_steps))
 
     # -- forward passes -----------------------------------------------------------------------------------------
@@ -198,22 +200,56 @@ class TorchTrainBackend:
         return directory
 
     # -- resumable state ----------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
-        if self.critic is not None:
-            state["critic"] = self.critic.state_dict()
-        return state
+    def save_state(self, directory: str | Path) -> None:
+        """Weights as safetensors; optimizer, scheduler, critic and this process's RNG states beside them."""
+        from safetensors.torch import save_model
 
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        directory = Path(directory)
+        save_model(self.model, str(directory / "model.safetensors"))
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "critic": self.critic.state_dict() if self.critic is not None else None,
+                "rng": capture_rng_state(),
+            },
+            directory / "trainer.pt",
+        )
+
+    def load_state(self, directory: str | Path) -> None:
+        from safetensors.torch import load_model
+
+        directory = Path(directory)
+        load_model(self.model, str(directory / "model.safetensors"))
+        state = torch.load(directory / "trainer.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
+        restore_rng_state(state["rng"])
+
+
+def capture_rng_state() -> dict:
+    import random
+
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _pad(sequences: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:

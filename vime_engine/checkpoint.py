@@ -1,0 +1,152 @@
+"""The resumable checkpoint (DESIGN.md §3).
+
+Layout under the checkpoint root:
+
+    rollout_0000007/
+        model.safetensors, trainer.pt     written by the training backend (weights; optimizer, scheduler, RNG)
+        driver.json                       data cursor, weight version, metrics history, config and its hash
+        buffer.pkl                        samples carried over to the next rollout (dynamic sampling)
+        manifest.json                     written last: every file's size and sha256
+    LATEST                                "rollout_0000007", replaced atomically after the manifest is on disk
+
+A directory without a valid manifest is not a checkpoint. Loading walks back from LATEST (or the newest
+directory) to the newest checkpoint whose files match their manifest and says which it skipped and why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vime_engine.manifest import MANIFEST_NAME, Manifest, build_manifest, verify_local_tree
+
+log = logging.getLogger(__name__)
+
+LATEST = "LATEST"
+DRIVER_STATE = "driver.json"
+_DIR_RE = re.compile(r"^rollout_(\d{7})$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_dir(root: Path, rollout_id: int) -> Path:
+    return Path(root) / f"rollout_{rollout_id:07d}"
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    path: Path
+    rollout_id: int
+    manifest: Manifest
+
+    @property
+    def manifest_hash(self) -> str:
+        return self.manifest.hash
+
+    def driver_state(self) -> dict[str, Any]:
+        return json.loads((self.path / DRIVER_STATE).read_text())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def staging_dir(root: Path, rollout_id: int) -> Path:
+    """A fresh directory to write a checkpoint's files into before `commit` makes it a checkpoint."""
+    staged = Path(root) / f".rollout_{rollout_id:07d}.partial-{os.getpid()}"
+    if staged.exists():
+        shutil.rmtree(staged)
+    staged.mkdir(parents=True)
+    return staged
+
+
+def commit(root: Path, staged: Path, rollout_id: int, driver_state: dict[str, Any], keep_last: int | None) -> CheckpointRef:
+    """Write driver state, fsync every file, write the manifest, move into place, then move LATEST."""
+    root = Path(root)
+    (staged / DRIVER_STATE).write_text(json.dumps(driver_state, sort_keys=True, indent=1))
+    for f in staged.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    manifest = build_manifest(staged, meta={"rollout_id": rollout_id})
+    _write_atomic(staged / MANIFEST_NAME, manifest.to_bytes())
+    final = checkpoint_dir(root, rollout_id)
+    if final.exists():  # an invalid leftover of an earlier attempt at this rollout
+        shutil.rmtree(final)
+    os.replace(staged, final)
+    _fsync_dir(root)
+    _write_atomic(root / LATEST, final.name.encode())
+    if keep_last:
+        _prune(root, keep_last)
+    return CheckpointRef(final, rollout_id, manifest)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    ids = sorted(_rollout_ids(root))
+    for old in ids[:-keep_last]:
+        shutil.rmtree(checkpoint_dir(root, old), ignore_errors=True)
+
+
+def _rollout_ids(root: Path) -> list[int]:
+    if not Path(root).is_dir():
+        return []
+    return [int(m.group(1)) for p in Path(root).iterdir() if (m := _DIR_RE.match(p.name)) and p.is_dir()]
+
+
+def validate(path: Path) -> CheckpointRef:
+    """The checkpoint at `path`, or CheckpointError saying why it is not one."""
+    m = _DIR_RE.match(path.name)
+    if not m:
+        raise CheckpointError(f"{path}: not a rollout_NNNNNNN directory")
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST_NAME} (the save did not finish)")
+    try:
+        manifest = Manifest.from_bytes(manifest_path.read_bytes())
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{path}: unreadable {MANIFEST_NAME}: {exc}") from None
+    bad = verify_local_tree(path, manifest)
+    if bad:
+        raise CheckpointError(f"{path}: files missing or not matching the manifest: {', '.join(bad)}")
+    return CheckpointRef(path, int(m.group(1)), manifest)
+
+
+def find_latest(root: Path | str | None) -> CheckpointRef | None:
+    """The newest valid checkpoint under `root` (None if there is none), reporting any it had to skip."""
+    if root is None or not Path(root).is_dir():
+        return None
+    root = Path(root)
+    candidates = sorted(_rollout_ids(root), reverse=True)
+    pointer = root / LATEST
+    if pointer.is_file():
+        m = _DIR_RE.match(pointer.read_text().strip())
+        if m and int(m.group(1)) in candidates:  # LATEST first; newer unpointed dirs are unfinished saves
+            latest = int(m.group(1))
+            candidates = [latest] + [i for i in candidates if i < latest]
+    for rollout_id in candidates:
+        try:
+            return validate(checkpoint_dir(root, rollout_id))
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint: %s", exc)
+    return None

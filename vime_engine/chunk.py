@@ -1,0 +1,53 @@
+"""Chunked execution: one resumable slice of an RL run, the unit a pipeline schedules and retries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vime_engine import checkpoint as ckpt
+from vime_engine.config import ConfigError, EngineConfig
+from vime_engine.runtime.driver import train
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    checkpoint_path: str
+    first_rollout: int
+    last_rollout: int  # inclusive
+    manifest_sha256: str
+    config_hash: str
+    metrics: dict[str, Any]  # the last rollout's metrics
+
+
+def run_chunk(config: EngineConfig, start_rollout_id: int, num_rollouts: int) -> ChunkResult:
+    """Train rollouts `start_rollout_id … start_rollout_id + num_rollouts - 1` and checkpoint the end.
+
+    Starts from the newest valid checkpoint under `--save` (so a chunk killed midway continues from its last
+    in-chunk checkpoint) or, when there is none, from `--load` or the initial HF model. A chunk that is
+    already complete returns its checkpoint without training.
+    """
+    if config.checkpoint.save is None:
+        raise ConfigError("run_chunk needs --save DIR: a chunk hands its result over as a checkpoint")
+    end = start_rollout_id + num_rollouts
+    if end > config.rollout.num_rollout:
+        raise ConfigError(
+            f"chunk {start_rollout_id}..{end - 1} runs past --num-rollout {config.rollout.num_rollout}"
+        )
+    found = ckpt.find_latest(config.checkpoint.save) or ckpt.find_latest(config.checkpoint.load)
+    done_until = found.rollout_id + 1 if found is not None else 0
+    if done_until < start_rollout_id:
+        raise ConfigError(
+            f"chunk starts at rollout {start_rollout_id} but the newest checkpoint "
+            f"({found.path if found else 'none'}) ends at rollout {done_until - 1}: run the earlier chunks first"
+        )
+    if done_until < end:
+        train(config, end_rollout_id=end)
+    # Also for a chunk finished earlier: its own end checkpoint, even if later chunks have run since.
+    found = ckpt.validate(ckpt.checkpoint_dir(config.checkpoint.save, end - 1))
+    state = found.driver_state()
+    last = next((h for h in reversed(state["history"]) if h["rollout_id"] == end - 1), {})
+    return ChunkResult(
+        checkpoint_path=str(found.path), first_rollout=start_rollout_id, last_rollout=end - 1,
+        manifest_sha256=found.manifest_hash, config_hash=state["config_hash"], metrics=last,
+    )

@@ -1,0 +1,185 @@
+"""The directory manifest: every file's size and sha256, written last.
+
+Format (engine checkpoints and committed storage prefixes)::
+
+    {"version": 1,
+     "files": {"<posix relpath>": {"size": <int>, "sha256": "<hex>"}},
+     "created": "<ISO-8601 UTC>",
+     "meta": {...free-form...}}
+
+A prefix (or directory) is trusted only when its ``manifest.json`` parses and every file it lists is present
+with that size and sha256. The "manifest hash" is the sha256 of the exact bytes of ``manifest.json`` as
+written; it names a committed tree (cache keys, lineage).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+_READ_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """What one read of a local file yields: its manifest entry plus the MD5 of each upload part.
+
+    ``part_md5s`` holds one hex MD5 per ``part_size`` slice (one entry for a single-request upload); object
+    stores derive their ETags from them, so uploads and their verification need no second read.
+    """
+
+    size: int
+    sha256: str
+    part_size: int
+    part_md5s: tuple[str, ...]
+
+    @property
+    def entry(self) -> FileEntry:
+        return FileEntry(self.size, self.sha256)
+
+    def expected_etag(self, multipart: bool) -> str:
+        """S3/OBS ETag for this content: md5 for one PUT, md5(concat(part md5s))-N for a multipart upload."""
+        if not multipart:
+            return self.part_md5s[0]
+        joined = b"".join(bytes.fromhex(m) for m in self.part_md5s)
+        return f"{hashlib.md5(joined).hexdigest()}-{len(self.part_md5s)}"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    files: dict[str, FileEntry]
+    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    meta: dict[str, Any] = field(default_factory=dict)
+    version: int = MANIFEST_VERSION
+
+    def to_bytes(self) -> bytes:
+        """Canonical bytes (sorted keys) so the same tree and meta always hash the same."""
+        doc = {
+            "version": self.version,
+            "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())},
+            "created": self.created,
+            "meta": self.meta,
+        }
+        return (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode()
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+    @property
+    def total_size(self) -> int:
+        return sum(e.size for e in self.files.values())
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Manifest":
+        """Parse and validate; raises ValueError on anything that is not a version-1 manifest."""
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION:
+            raise ValueError(f"unsupported manifest version: {doc.get('version') if isinstance(doc, dict) else doc!r}")
+        files = {}
+        for rel, e in doc["files"].items():
+            if not isinstance(e.get("size"), int) or not isinstance(e.get("sha256"), str) or len(e["sha256"]) != 64:
+                raise ValueError(f"bad manifest entry for {rel!r}")
+            files[check_relpath(rel)] = FileEntry(e["size"], e["sha256"])
+        return cls(files=files, created=str(doc.get("created", "")), meta=dict(doc.get("meta") or {}))
+
+
+def check_relpath(rel: str) -> str:
+    """Reject paths that could escape the tree when joined to a local directory."""
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in rel:
+        raise ValueError(f"unsafe path in manifest: {rel!r}")
+    return rel
+
+
+def part_size_for(size: int, min_part: int = 8 << 20, max_parts: int = 10_000) -> int:
+    """Deterministic part size: ``min_part``, grown in MiB steps to keep under ``max_parts`` parts.
+
+    Determinism matters: a resumed upload must cut the file exactly as the interrupted one did.
+    """
+    need = -(-size // max_parts)
+    return max(min_part, -(-need // (1 << 20)) * (1 << 20))
+
+
+def digest_file(path: Path, part_size: int) -> FileDigest:
+    """One sequential read: sha256 of the whole file and md5 of every ``part_size`` slice."""
+    sha = hashlib.sha256()
+    md5s: list[str] = []
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            part = hashlib.md5()
+            left = part_size
+            while left:
+                chunk = f.read(min(_READ_CHUNK, left))
+                if not chunk:
+                    break
+                sha.update(chunk)
+                part.update(chunk)
+                left -= len(chunk)
+                size += len(chunk)
+            if left == part_size and md5s:
+                break
+            md5s.append(part.hexdigest())
+            if left:
+                break
+    return FileDigest(size=size, sha256=sha.hexdigest(), part_size=part_size, part_md5s=tuple(md5s))
+
+
+def sha256_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def list_tree(local_dir: Path) -> dict[str, Path]:
+    """Regular files under ``local_dir`` by posix relpath, excluding a top-level manifest.json."""
+    local_dir = Path(local_dir)
+    out: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(local_dir):
+        dirnames.sort()
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            rel = p.relative_to(local_dir).as_posix()
+            if rel != MANIFEST_NAME and p.is_file():
+                out[rel] = p
+    return out
+
+
+def digest_tree(local_dir: Path, part_size_of=part_size_for, workers: int = 4) -> dict[str, FileDigest]:
+    """Digest every file of the tree in parallel (hashlib releases the GIL on large updates)."""
+    files = list_tree(local_dir)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        digests = pool.map(lambda p: digest_file(p, part_size_of(p.stat().st_size)), files.values())
+        return dict(zip(files.keys(), digests))
+
+
+def build_manifest(local_dir: Path, meta: dict[str, Any] | None = None) -> Manifest:
+    digests = digest_tree(local_dir)
+    return Manifest(files={k: d.entry for k, d in digests.items()}, meta=dict(meta or {}))
+
+
+def verify_local_tree(local_dir: Path, manifest: Manifest) -> list[str]:
+    """Relpaths whose local file is missing or differs from the manifest (empty list: the tree matches)."""
+    bad = []
+    for rel, entry in sorted(manifest.files.items()):
+        p = Path(local_dir) / rel
+        if not p.is_file() or p.stat().st_size != entry.size or sha256_file(p) != entry.sha256:
+            bad.append(rel)
+    return bad

@@ -1,0 +1,84 @@
+"""Loading a user's function from a flag value: `package.module:function` or `path/to/file.py:function`."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+_FORMS = "`package.module:function` or `path/to/file.py:function`"
+
+
+def load_function(spec: str, flag: str, arg_names: tuple[str, ...], wanted: str) -> Callable:
+    """Import the function named by `spec` and check it can be called with `arg_names` positionally.
+
+    `spec` is `package.module:function` (imported from `sys.path`) or `path/to/file.py:function`
+    (a file, loaded under a module name derived from its absolute path so two files with the
+    same name do not collide). Every failure is a ValueError naming `flag` and the fix; `wanted`
+    describes the expected signature, e.g. "`(response: str, label: str) -> float`".
+    """
+    target, sep, function_name = spec.rpartition(":")
+    if not sep or not target or not function_name.isidentifier():
+        raise ValueError(f"{flag} {spec!r}: expected {_FORMS}")
+    if target.endswith(".py"):
+        module = _module_from_file(Path(target), spec, flag)
+    else:
+        module = _module_from_import(target, spec, flag)
+    fn = getattr(module, function_name, None)
+    if fn is None:
+        raise ValueError(
+            f"{flag} {spec!r}: {target} has no function {function_name!r}; "
+            f"define `def {function_name}{wanted.strip('`')}` there"
+        )
+    _check_signature(fn, spec, flag, arg_names, wanted)
+    return fn
+
+
+def _module_from_file(path: Path, spec: str, flag: str):
+    if not path.is_file():
+        raise ValueError(f"{flag} {spec!r}: file {str(path)!r} does not exist; give an existing .py file")
+    resolved = path.resolve()
+    name = "vime_plugin_" + hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, resolved)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ValueError(f"{flag} {spec!r}: executing {str(path)!r} failed: {exc!r}; fix the file") from exc
+    return module
+
+
+def _module_from_import(module_name: str, spec: str, flag: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ValueError(
+            f"{flag} {spec!r}: cannot import module {module_name!r} ({exc}); "
+            f"make it importable (PYTHONPATH) or give {_FORMS}"
+        ) from exc
+    except Exception as exc:
+        raise ValueError(f"{flag} {spec!r}: importing {module_name!r} failed: {exc!r}; fix the module") from exc
+
+
+def _check_signature(fn: object, spec: str, flag: str, arg_names: tuple[str, ...], wanted: str) -> None:
+    if not callable(fn):
+        raise ValueError(f"{flag} {spec!r}: {fn!r} is not callable; it must be a function {wanted}")
+    if inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{flag} {spec!r}: the function is async; it must be a plain function {wanted}")
+    try:
+        inspect.signature(fn).bind(*arg_names)
+    except TypeError as exc:
+        raise ValueError(
+            f"{flag} {spec!r}: the function cannot be called with ({', '.join(arg_names)}) ({exc}); "
+            f"its signature must be {wanted}"
+        ) from exc
+    except ValueError:
+        return  # builtins without an introspectable signature: trust the user

@@ -1,0 +1,178 @@
+"""What the driver loop keeps between rollouts, and how it is saved, restored and evaluated."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from vime_engine import checkpoint as ckpt
+from vime_engine.config import ConfigError, EngineConfig
+from vime_engine.data.datasets import load_prompt_dataset
+from vime_engine.data.source import DataSource
+from vime_engine.evaluation import summarize, write_results
+from vime_engine.metrics import MetricsSink
+from vime_engine.rollout.dynamic_sampling import CarryOver, GroupFilter, load_group_filter
+from vime_engine.rollout.vllm_engine import SamplingSettings
+from vime_engine.rollout.worker import GenerationPlan, train_plan
+from vime_engine.runtime.workers import Workers
+from vime_engine.sample import Sample
+
+log = logging.getLogger(__name__)
+BUFFER_FILE = "buffer.pkl"
+
+
+@dataclass
+class RunState:
+    """Everything besides the trainer's own state that a resumed run needs to continue identically."""
+
+    next_rollout_id: int = 0
+    weight_version: int = 0
+    groups_drawn: int = 0  # numbers prompt groups across the run; their sampling seeds derive from it
+    carry: CarryOver = field(default_factory=CarryOver)
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class RunContext:
+    def __init__(self, cfg: EngineConfig, workers: Workers, data: DataSource, sink: MetricsSink, state: RunState):
+        self.cfg, self.workers, self.data, self.sink, self.state = cfg, workers, data, sink, state
+        self.plan = train_plan(cfg)
+        self.draw_size = cfg.rollout.over_sampling_batch_size or cfg.rollout.rollout_batch_size
+        self.group_filter: GroupFilter = (
+            load_group_filter(cfg.rollout.dynamic_sampling_filter_path)
+            if cfg.rollout.over_sampling_batch_size else (lambda group: True)
+        )
+        self._prefetched: tuple[int, Any] | None = None
+        self._cursor_before_prefetch: tuple[dict, int] | None = None
+
+    @classmethod
+    def open(cls, cfg: EngineConfig, workers: Workers) -> RunContext:
+        d = cfg.data
+        data = DataSource(load_prompt_dataset(d.prompt_data, d.input_key, d.label_key, d.metadata_key),
+                          shuffle=d.rollout_shuffle, seed=d.rollout_seed)
+        sink = MetricsSink(cfg.logging.output_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb)
+        state = RunState()
+        found = ckpt.find_latest(cfg.checkpoint.load or cfg.checkpoint.save)
+        if found is not None:
+            state = _restore(cfg, found, workers, data)
+            log.info("resuming from %s at rollout %d", found.path, state.next_rollout_id)
+        if cfg.checkpoint.start_rollout_id is not None:
+            state.next_rollout_id = cfg.checkpoint.start_rollout_id
+        sink.rewrite(state.history)  # drop lines logged after the checkpoint by an interrupted run
+        return cls(cfg, workers, data, sink, state)
+
+    # -- generation ---------------------------------------------------------------------------------------------
+    def _start_generation(self, rollout_id: int):
+        records = self.data.next_batch(self.draw_size)
+        first_group = self.state.groups_drawn
+        self.state.groups_drawn += len(records)
+        return self.workers.generate(records, rollout_id, first_group, self.plan)
+
+    def prefetch(self, rollout_id: int) -> None:
+        """Start the first generation round of `rollout_id` now (async mode), remembering the cursor before it."""
+        self._cursor_before_prefetch = (self.data.state_dict(), self.state.groups_drawn)
+        self._prefetched = (rollout_id, self._start_generation(rollout_id))
+
+    def generate_round(self, rollout_id: int, round_: int) -> list[Sample]:
+        if round_ == 0 and self._prefetched is not None and self._prefetched[0] == rollout_id:
+            future, self._prefetched, self._cursor_before_prefetch = self._prefetched[1], None, None
+            return ray.get(future)
+        return ray.get(self._start_generation(rollout_id))
+
+    # -- bookkeeping --------------------------------------------------------------------------------------------
+    def log_rollout(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        self.state.history.append({"rollout_id": rollout_id, **metrics})
+        self.state.next_rollout_id = rollout_id + 1
+        self.sink.log(rollout_id, metrics)
+
+    def log_eval(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        self.state.history.append({"rollout_id": rollout_id, **metrics})
+        self.sink.log(rollout_id, metrics)
+
+    def eval_due(self, rollout_id: int) -> bool:
+        interval = self.cfg.eval.eval_interval
+        if not self.cfg.eval_datasets:
+            return False
+        return rollout_id + 1 == self.cfg.rollout.num_rollout or bool(interval and (rollout_id + 1) % interval == 0)
+
+    def save_due(self, rollout_id: int, end: int) -> bool:
+        c = self.cfg.checkpoint
+        if c.save is None:
+            return False
+        return rollout_id + 1 == end or bool(c.save_interval and (rollout_id + 1) % c.save_interval == 0)
+
+    def save(self, rollout_id: int) -> ckpt.CheckpointRef:
+        root = Path(self.cfg.checkpoint.save)
+        staged = ckpt.staging_dir(root, rollout_id)
+        self.workers.trainer_call("save_state", str(staged))
+        with open(staged / BUFFER_FILE, "wb") as f:
+            pickle.dump(self.state.carry, f)
+        cursor, groups_drawn = self._cursor_before_prefetch or (self.data.state_dict(), self.state.groups_drawn)
+        driver_state = {
+            "rollout_id": rollout_id,
+            "weight_version": self.state.weight_version,
+            "groups_drawn": groups_drawn,
+            "data_cursor": cursor,
+            "history": self.state.history,
+            "config": self.cfg.flat(),
+            "math_fields": self.cfg.math_fields(),
+            "config_hash": self.cfg.math_hash(),
+        }
+        ref = ckpt.commit(root, staged, rollout_id, _json_safe(driver_state), self.cfg.checkpoint.keep_last)
+        log.info("saved %s", ref.path)
+        return ref
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def _restore(cfg: EngineConfig, found: ckpt.CheckpointRef, workers: Workers, data: DataSource) -> RunState:
+    saved = found.driver_state()
+    diff = cfg.math_diff(saved["math_fields"])
+    if diff:
+        raise ConfigError(
+            f"checkpoint {found.path} was trained with other settings that change the math:\n  "
+            + "\n  ".join(diff)
+            + "\nuse the checkpoint's values, or start a fresh run with another --save directory"
+        )
+    workers.trainer_call("load_state", str(found.path))
+    data.load_state_dict(saved["data_cursor"])
+    with open(found.path / BUFFER_FILE, "rb") as f:
+        carry = pickle.load(f)
+    return RunState(
+        next_rollout_id=saved["rollout_id"] + 1, weight_version=saved["weight_version"],
+        groups_drawn=saved["groups_drawn"], carry=carry, history=saved["history"],
+    )
+
+
+def _json_safe(value: Any) -> Any:
+    import json
+
+    return json.loads(json.dumps(value, default=str))
+
+
+def run_evaluations(cfg: EngineConfig, workers: Workers, rollout_id: int) -> dict[str, float]:
+    """Every `--eval-prompt-data` set on the engine's current weights; writes per-problem results files."""
+    e, r = cfg.eval, cfg.rollout
+    plan = lambda name: GenerationPlan(  # noqa: E731
+        SamplingSettings(
+            e.eval_max_response_len or r.rollout_max_response_len,
+            e.eval_temperature if e.eval_temperature is not None else r.rollout_temperature,
+            e.eval_top_p if e.eval_top_p is not None else r.rollout_top_p,
+            r.rollout_top_k,
+        ),
+        e.n_samples_per_eval_prompt, f"eval/{name}", e.eval_rm_type,
+    )
+    metrics: dict[str, float] = {}
+    for name, path in cfg.eval_datasets:
+        records = load_prompt_dataset(path, e.eval_input_key or cfg.data.input_key,
+                                      e.eval_label_key or cfg.data.label_key)
+        samples = ray.get(workers.generate(records, max(rollout_id, 0), 0, plan(name)))
+        values, rows = summarize(name, samples, e.n_samples_per_eval_prompt)
+        write_results(Path(cfg.logging.output_dir) / "eval" / f"{name}_rollout_{rollout_id + 1:07d}.jsonl", rows)
+        metrics.update(values)
+    return metrics
