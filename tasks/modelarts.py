@@ -15,7 +15,6 @@ import enum
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,8 +118,12 @@ class ObsMount(BaseModel):
     local_dir: str
 
     def api_obs_url(self) -> str:
-        """The API writes OBS paths as ``/bucket/path/`` (no scheme, trailing slash)."""
-        return "/" + self.obs_url[len("obs://"):].rstrip("/") + "/"
+        return api_obs_url(self.obs_url)
+
+
+def api_obs_url(obs_url: str) -> str:
+    """The API writes OBS paths as ``/bucket/path/`` (no scheme, trailing slash)."""
+    return "/" + obs_url[len("obs://"):].rstrip("/") + "/"
 
 
 class ModelArtsJobSpec(BaseModel):
@@ -163,8 +166,7 @@ class ModelArtsJobSpec(BaseModel):
             resource["pool_id"] = self.pool_id
         spec: dict = {"resource": resource}
         if self.log_obs_url:
-            spec["log_export_path"] = {"obs_url": ObsMount(name="log", obs_url=self.log_obs_url,
-                                                           local_dir="-").api_obs_url()}
+            spec["log_export_path"] = {"obs_url": api_obs_url(self.log_obs_url)}
         metadata = {"name": self.name, "description": self.description}
         if self.workspace_id:
             metadata["workspace_id"] = self.workspace_id
@@ -211,34 +213,14 @@ class JobResult:
 
 
 def submit_modelarts_job(spec: ModelArtsJobSpec, client) -> str:
-    """Create the training job; returns its id."""
-    from huaweicloudsdkmodelarts.v1 import CreateTrainingJobRequest, Job
+    """Create the training job; returns its id. (The SDK serializes a plain dict body as it is.)"""
+    from huaweicloudsdkmodelarts.v1 import CreateTrainingJobRequest
 
-    body = Job(**_sdk_kwargs(Job, spec.to_request_body()))
-    response = _call(client, "create training job", "create_training_job", CreateTrainingJobRequest(body=body))
+    request = CreateTrainingJobRequest(body=spec.to_request_body())
+    response = _call(client, "create training job", "create_training_job", request)
     job_id = response.metadata.id
     log.info("ModelArts job %s created: %s on %d x %s", job_id, spec.name, spec.node_count, spec.flavor)
     return job_id
-
-
-def _sdk_kwargs(model_cls, data: dict) -> dict:
-    """Build the SDK's nested model objects from plain JSON, following each class's ``openapi_types``."""
-    import huaweicloudsdkmodelarts.v1.model as models
-
-    kwargs = {}
-    reverse = {v: k for k, v in model_cls.attribute_map.items()}
-    for key, value in data.items():
-        attr = reverse[key]
-        type_name = model_cls.openapi_types[attr]
-        inner = re.fullmatch(r"list\[(\w+)\]", type_name)
-        if inner and hasattr(models, inner[1]):
-            cls = getattr(models, inner[1])
-            value = [cls(**_sdk_kwargs(cls, item)) for item in value]
-        elif hasattr(models, type_name):
-            cls = getattr(models, type_name)
-            value = cls(**_sdk_kwargs(cls, value))
-        kwargs[attr] = value
-    return kwargs
 
 
 def show_job(client, job_id: str):
