@@ -422,9 +422,10 @@ def _get_manifest(session: _RegistrySession, ref: ImageReference, manifest_ref: 
         raise ImageNotFoundError(_not_found_message(session, ref, manifest_ref))
     if response.status_code != 200:
         raise RegistryError(f"image {ref}: manifest request answered HTTP {response.status_code}{_error_codes(response)}")
-    pinned = manifest_ref if manifest_ref.startswith("sha256:") else None
-    body = _checked_body(response, pinned, f"image {ref} manifest")
-    return json.loads(body), response.headers.get("Docker-Content-Digest") or _sha256(body)
+    # a pinned reference must match its digest; a tag must match the digest the registry claims for it
+    expected = manifest_ref if manifest_ref.startswith("sha256:") else response.headers.get("Docker-Content-Digest")
+    body = _checked_body(response, expected, f"image {ref} manifest")
+    return json.loads(body), expected or _sha256(body)
 
 
 def _not_found_message(session: _RegistrySession, ref: ImageReference, manifest_ref: str) -> str:
