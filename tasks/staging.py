@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from tasks.manifest import FileEntry, digest_tree
+from tasks.manifest import FileEntry
 from tasks.storage import NotFoundError, PermanentStorageError, Storage, join_key, open_storage
 
 # Weights in safetensors, configs, tokenizers, templates; not .bin/.pt/.h5/.onnx duplicates of the weights.
@@ -116,6 +116,7 @@ def _stage(spec: SourceSpec, source: str, storage_root: str, kind: str) -> Stage
     area = f"{kind}s"
     with tempfile.TemporaryDirectory(prefix=f"vimeflow-stage-{kind}-") as tmp:
         work = Path(tmp)
+        digests = None  # known up front only for local sources (hashed once for the revision)
         if spec.scheme == "hf":
             revision = _hf_resolve(spec)
             if spec.patterns is not None or kind == "model":
@@ -141,13 +142,13 @@ def _stage(spec: SourceSpec, source: str, storage_root: str, kind: str) -> Stage
                 src.get_tree("", local)
         else:
             local, name = _materialize_local(spec, kind, work)
-            files = {k: d.entry for k, d in digest_tree(local).items()}
-            revision = content_revision(files)
+            digests = root.digest_tree(local)
+            revision = content_revision({k: d.entry for k, d in digests.items()})
             dest = join_key(area, _slug(name), revision)
             if (done := _already_staged(root, dest, kind, source, revision)) is not None:
                 return done
         meta = {"kind": kind, "source": source, "revision": revision}
-        manifest = root.commit_tree(local, dest, meta=meta)
+        manifest = root.commit_tree(local, dest, meta=meta, digests=digests)
         return StagedAsset(kind, root.uri(dest), manifest.hash, source, revision, manifest.files, True)
 
 

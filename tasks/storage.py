@@ -24,7 +24,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tasks.manifest import (
-    MANIFEST_NAME, FileDigest, Manifest, check_relpath, digest_file, digest_tree, part_size_for, sha256_file,
+    MANIFEST_NAME, FileDigest, Manifest, check_relpath, digest_file, digest_tree, list_tree, part_size_for,
+    sha256_file,
 )
 from tasks.storage_errors import (
     IntegrityError, NotFoundError, PermanentStorageError, StorageError, TransientStorageError, with_retries,
@@ -35,6 +36,12 @@ __all__ = [
     "NotFoundError", "IntegrityError",
 ]
 log = logging.getLogger("vimeflow.storage")
+
+
+@dataclass(frozen=True)
+class TreeUpload:
+    digests: dict[str, FileDigest]  # every file of the tree
+    uploaded: list[str]  # the relpaths actually sent (the rest already matched)
 
 
 @dataclass(frozen=True)
@@ -141,26 +148,37 @@ class Storage(ABC):
         self._retry(lambda: self.put_bytes(key, data))
 
     # ---- trees --------------------------------------------------------------------------------------------
-    def put_tree(self, local_dir: Path, prefix: str, digests: dict[str, FileDigest] | None = None,
-                 skip_existing: bool = False) -> dict[str, FileDigest]:
-        """Upload every file under ``local_dir`` to ``prefix/relpath`` in parallel; returns what was uploaded.
+    def digest_tree(self, local_dir: Path) -> dict[str, FileDigest]:
+        """Digests of every file, cut into this storage's part size (what commit_tree would compute)."""
+        return digest_tree(Path(local_dir), lambda n: part_size_for(n, self.multipart_threshold))
 
-        With ``skip_existing``, objects that already have the file's size and ETag are left alone (this
-        makes a re-run of an interrupted tree upload send only what is missing).
+    def put_tree(self, local_dir: Path, prefix: str, digests: dict[str, FileDigest] | None = None,
+                 skip_existing: bool = False) -> TreeUpload:
+        """Upload every file under ``local_dir`` to ``prefix/relpath`` in parallel.
+
+        Each worker digests its file (one read: sha256 + part MD5s) and uploads it, so hashing overlaps the
+        network; largest files start first. With ``skip_existing``, objects that already have the file's
+        size and ETag are left alone (a re-run of an interrupted upload sends only what is missing).
         """
         local_dir = Path(local_dir)
-        if digests is None:
-            digests = digest_tree(local_dir, lambda n: part_size_for(n, self.multipart_threshold))
-        todo = dict(digests)
-        if skip_existing:
-            remote = {o.key: o for o in self.list(dir_prefix(prefix))}
-            todo = {rel: d for rel, d in digests.items()
-                    if not self._object_matches(remote.get(join_key(prefix, rel)), d)}
+        files = list_tree(local_dir)
+        remote = {o.key: o for o in self.list(dir_prefix(prefix))} if skip_existing else {}
+
+        def one(rel: str, path: Path) -> tuple[FileDigest, bool]:
+            d = digests[rel] if digests else digest_file(path, part_size_for(path.stat().st_size,
+                                                                                self.multipart_threshold))
+            key = join_key(prefix, rel)
+            if skip_existing and self._object_matches(remote.get(key), d):
+                return d, False
+            self._put_file(path, key, d)
+            return d, True
+
+        order = sorted(files, key=lambda r: -files[r].stat().st_size)
         with ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="put") as pool:
-            futures = [pool.submit(self._put_file, local_dir / rel, join_key(prefix, rel), d) for rel, d in todo.items()]
-            for f in futures:
-                f.result()
-        return todo
+            futures = {rel: pool.submit(one, rel, files[rel]) for rel in order}
+            done = {rel: f.result() for rel, f in futures.items()}
+        return TreeUpload(digests={rel: done[rel][0] for rel in sorted(done)},
+                          uploaded=sorted(rel for rel, (_, sent) in done.items() if sent))
 
     def get_tree(self, prefix: str, local_dir: Path) -> list[str]:
         """Download every object under ``prefix`` into ``local_dir`` (no manifest check); returns relpaths."""
@@ -188,14 +206,15 @@ class Storage(ABC):
             return True
         return obj.etag in (d.expected_etag(False), d.expected_etag(True))
 
-    def commit_tree(self, local_dir: Path, prefix: str, meta: dict[str, Any] | None = None) -> Manifest:
+    def commit_tree(self, local_dir: Path, prefix: str, meta: dict[str, Any] | None = None,
+                    digests: dict[str, FileDigest] | None = None) -> Manifest:
         """Upload, verify, then write the manifest last. Returns the manifest written."""
         local_dir = Path(local_dir)
-        digests = digest_tree(local_dir, lambda n: part_size_for(n, self.multipart_threshold))
         manifest_key = join_key(prefix, MANIFEST_NAME)
         # Unconditional (deleting a missing key succeeds): one request, and a refusal comes with an error body.
         self._retry(lambda: self._delete_keys([manifest_key]))
-        uploaded = self.put_tree(local_dir, prefix, digests, skip_existing=True)
+        result = self.put_tree(local_dir, prefix, digests, skip_existing=True)
+        digests, uploaded = result.digests, result.uploaded
         remote = {o.key: o for o in self.list(dir_prefix(prefix))}
         bad = [rel for rel, d in digests.items() if not self._object_matches(remote.get(join_key(prefix, rel)), d)]
         if bad:
