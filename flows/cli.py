@@ -1,0 +1,81 @@
+"""`vimeflow`: the command line. Engine commands run without Prefect; pipeline commands import it lazily."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training of LLMs as a workflow.")
+console = Console()
+DEFAULT_TRAIN_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train-demo.yaml"
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+@app.callback()
+def _root() -> None:
+    """vimeflow: RL post-training of LLMs (vLLM rollouts, torch / Megatron training) as a resumable workflow."""
+
+
+def _engine_config(config: Path | None, extra: list[str]):
+    from vime_engine.assets import resolve_config_assets
+    from vime_engine.config import from_flat, load_yaml, parse_flags
+
+    values = load_yaml(config) if config else {}
+    values.update(parse_flags(extra))
+    return from_flat(resolve_config_assets(values))
+
+
+def _summary(rollout_id: int, m: dict) -> str:
+    parts = [f"rollout {rollout_id:>4}", f"reward {m['rollout/raw_reward']:.3f}",
+             f"len {m['rollout/response_len/mean']:.1f}", f"kl {m.get('train/ppo_kl', 0):.2e}",
+             f"Δlogp {m.get('train/train_rollout_logprob_abs_diff', 0):.1e}",
+             f"gen {m['perf/rollout_time']:.1f}s train {m['perf/train_time']:.1f}s "
+             f"sync {m['perf/update_weights_time']:.2f}s"]
+    parts += [f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items() if k.startswith("eval/") and "/" not in k[5:]]
+    return " | ".join(parts)
+
+
+@app.command(context_settings=_PASS_THROUGH)
+def train(
+    ctx: typer.Context,
+    config: Path = typer.Option(None, "--config", help="YAML of vime flags (default: configs/train-demo.yaml)"),
+) -> None:
+    """Run GRPO-style RL with vime flags, e.g. `vimeflow train --config my.yaml --num-rollout 20`."""
+    from vime_engine.config import ConfigError
+    from vime_engine.runtime.driver import train as run_training
+    from vime_engine.runtime.preemption import Preempted
+
+    try:
+        cfg = _engine_config(config or (None if ctx.args else DEFAULT_TRAIN_CONFIG), list(ctx.args))
+    except (ConfigError, ValueError) as exc:
+        console.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console)
+    with progress:
+        task = progress.add_task("rollouts", total=cfg.rollout.num_rollout)
+
+        def on_rollout(rollout_id: int, metrics: dict) -> None:
+            progress.console.print(_summary(rollout_id, metrics))
+            progress.update(task, completed=rollout_id + 1)
+
+        try:
+            result = run_training(cfg, on_rollout=on_rollout)
+        except Preempted as exc:
+            console.print(f"[yellow]{exc}[/yellow]")
+            raise typer.Exit(exc.exit_code) from None
+    console.print(f"metrics: {Path(cfg.logging.output_dir) / 'metrics.jsonl'}")
+    if result.checkpoint is not None:
+        console.print(f"checkpoint: {result.checkpoint.path}")
+
+
+def main() -> None:
+    app(prog_name="vimeflow")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
