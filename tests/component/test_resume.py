@@ -1,0 +1,160 @@
+"""Resume equivalence: a run killed with SIGKILL anywhere and resumed ends bit-identical to one never killed.
+
+Every run is a real `vimeflow train` process (Ray cluster, vLLM engine, torch trainer). Kills are injected
+by tests/support/faults/sitecustomize.py inside a chosen function call of whichever process runs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vime_engine.checkpoint import find_latest
+
+REPO = Path(__file__).resolve().parents[2]
+FAULTS = REPO / "tests" / "support" / "faults"
+NUM_ROLLOUT = 4
+
+
+@pytest.fixture(scope="module")
+def base_config(tmp_path_factory, tiny_model, arithmetic_data) -> dict:
+    return {
+        "hf-checkpoint": str(tiny_model), "prompt-data": str(arithmetic_data), "input-key": "question",
+        "label-key": "answer", "apply-chat-template": True, "rollout-shuffle": True,
+        "custom-rm-path": str(REPO / "tests/support/tiny_task.py") + ":digit_share",
+        "num-rollout": NUM_ROLLOUT, "rollout-batch-size": 4, "n-samples-per-prompt": 4,
+        "global-batch-size": 8,  # two optimizer steps per rollout: the optimizer state matters
+        "rollout-max-response-len": 8, "lr": 1e-3, "save-interval": 1, "vllm-kv-cache-gb": 0.25,
+    }
+
+
+def _write_config(run_dir: Path, base: dict, **overrides) -> Path:
+    values = {**base, "save": str(run_dir / "ckpt"), "output-dir": str(run_dir / "out"), **overrides}
+    path = run_dir / "config.yaml"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def _run(config: Path, fault: str | None = None, command: list[str] | None = None, timeout: int = 240) -> int:
+    """Run `vimeflow train` (or `command`); with `fault`, wait for the injected kill and reap the whole group."""
+    env = {**os.environ, "PYTHONPATH": f"{FAULTS}{os.pathsep}{REPO}"}
+    marker = config.parent / "fault.marker"
+    marker.unlink(missing_ok=True)
+    if fault:
+        env.update(VIMEFLOW_TEST_FAULT=fault, VIMEFLOW_TEST_FAULT_MARKER=str(marker))
+    cmd = command or [sys.executable, "-m", "flows.cli", "train", "--config", str(config)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
+                            stdout=open(config.parent / "log.txt", "a"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if fault and marker.exists():
+            os.killpg(proc.pid, signal.SIGKILL)  # the process that hit the fault is already dead; take the rest
+            proc.wait()
+            return -signal.SIGKILL
+        time.sleep(0.05)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"run did not finish in {timeout}s; see {config.parent / 'log.txt'}")
+    if fault:
+        pytest.fail(f"fault {fault} never triggered; see {config.parent / 'log.txt'}")
+    return proc.returncode
+
+
+def _final(run_dir: Path) -> tuple[str, list[dict]]:
+    """sha256 of the final weights and the per-rollout metrics without timings."""
+    ref = find_latest(run_dir / "ckpt")
+    assert ref is not None and ref.rollout_id == NUM_ROLLOUT - 1
+    weights = hashlib.sha256((ref.path / "model.safetensors").read_bytes()).hexdigest()
+    history = [
+        {k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+        for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()
+    ]
+    return weights, history
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, base_config) -> tuple[Path, str, list[dict]]:
+    run_dir = tmp_path_factory.mktemp("reference")
+    assert _run(_write_config(run_dir, base_config)) == 0
+    weights, history = _final(run_dir)
+    assert [h["rollout_id"] for h in history] == list(range(NUM_ROLLOUT))
+    return run_dir, weights, history
+
+
+def test_kills_during_generation_optimizer_step_and_checkpoint_write_resume_bit_identical(
+    tmp_path, base_config, reference
+):
+    _, ref_weights, ref_history = reference
+    config = _write_config(tmp_path, base_config)
+    # Rollout 1's generation (the 2nd generate call of the first process).
+    _run(config, fault="vime_engine.rollout.vllm_engine:VLLMEngine.generate:2")
+    assert find_latest(tmp_path / "ckpt").rollout_id == 0
+    # Resumed at rollout 1 (2 optimizer steps); killed inside rollout 2's first optimizer step.
+    _run(config, fault="torch.optim.adamw:AdamW.step:3")
+    assert find_latest(tmp_path / "ckpt").rollout_id == 1
+    # Resumed at rollout 2; killed while its checkpoint is written (files there, manifest not yet).
+    _run(config, fault="vime_engine.checkpoint:build_manifest:1")
+    assert find_latest(tmp_path / "ckpt").rollout_id == 1
+    assert list((tmp_path / "ckpt").glob(".rollout_0000002.partial-*")), "the interrupted save left no trace"
+    # Resumed at rollout 2 again, to the end.
+    assert _run(config) == 0
+
+    weights, history = _final(tmp_path)
+    assert weights == ref_weights
+    assert history == ref_history
+
+
+def test_two_chunks_equal_one_run(tmp_path, base_config, reference):
+    _, ref_weights, ref_history = reference
+    config = _write_config(tmp_path, base_config)
+    for start in (0, 2):
+        code = (
+            "import sys; from vime_engine.config import build_config; from vime_engine.chunk import run_chunk; "
+            f"r = run_chunk(build_config(yaml_path=sys.argv[1]), {start}, 2); print(r)"
+        )
+        assert _run(config, command=[sys.executable, "-c", code, str(config)]) == 0
+    weights, history = _final(tmp_path)
+    assert weights == ref_weights
+    assert history == ref_history
+
+
+def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumes(tmp_path, base_config, reference, caplog):
+    ref_dir, ref_weights, ref_history = reference
+    shutil.copytree(ref_dir / "ckpt", tmp_path / "ckpt")
+    shutil.copytree(ref_dir / "out", tmp_path / "out")
+    newest = tmp_path / "ckpt" / "rollout_0000003" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, size unchanged
+    newest.write_bytes(bytes(data))
+
+    found = find_latest(tmp_path / "ckpt")
+    assert found.rollout_id == 2
+    assert "rollout_0000003" in caplog.text and "model.safetensors" in caplog.text
+
+    assert _run(_write_config(tmp_path, base_config)) == 0
+    assert "skipping checkpoint" in (tmp_path / "log.txt").read_text()
+    weights, history = _final(tmp_path)
+    assert weights == ref_weights
+    assert history == ref_history
+
+
+def test_truncated_checkpoint_is_not_a_checkpoint(tmp_path, reference, caplog):
+    ref_dir, _, _ = reference
+    shutil.copytree(ref_dir / "ckpt", tmp_path / "ckpt")
+    newest = tmp_path / "ckpt" / "rollout_0000003" / "trainer.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    assert find_latest(tmp_path / "ckpt").rollout_id == 2
+    assert "trainer.pt" in caplog.text
+    (tmp_path / "ckpt" / "rollout_0000002" / "manifest.json").unlink()
+    assert find_latest(tmp_path / "ckpt").rollout_id == 1
