@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from tasks.manifest import FileEntry
+from vime_engine.manifest import FileEntry
 from tasks.storage import NotFoundError, PermanentStorageError, Storage, join_key, open_storage
 
 # Weights in safetensors, configs, tokenizers, templates; not .bin/.pt/.h5/.onnx duplicates of the weights.

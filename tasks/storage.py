@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from tasks.manifest import (
+from vime_engine.manifest import (
     MANIFEST_NAME, FileDigest, Manifest, check_relpath, digest_file, digest_tree, list_tree, part_size_for,
     sha256_file,
 )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from tasks.manifest import FileDigest
+from vime_engine.manifest import FileDigest
 
 log = logging.getLogger("vimeflow.storage")
 

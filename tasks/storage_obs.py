@@ -26,7 +26,7 @@ from obs import (
     ObsClient, PutObjectHeader,
 )
 
-from tasks.manifest import FileDigest
+from vime_engine.manifest import FileDigest
 from tasks.storage import ObjectInfo, Storage, join_key
 from tasks.storage_errors import PermanentStorageError, StorageError, TransientStorageError, classify
 from tasks.storage_multipart import PartInfo, md5_b64, upload_resumable

@@ -25,7 +25,7 @@ from botocore.config import Config
 from s3transfer.exceptions import RetriesExceededError
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
-from tasks.manifest import FileDigest
+from vime_engine.manifest import FileDigest
 from tasks.storage import ObjectInfo, Storage, join_key
 from tasks.storage_errors import PermanentStorageError, StorageError, TransientStorageError, classify
 from tasks.storage_multipart import PartInfo, md5_b64, upload_resumable

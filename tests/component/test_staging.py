@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.manifest import MANIFEST_NAME
+from vime_engine.manifest import MANIFEST_NAME
 from tasks.staging import fetch, parse_source, stage_dataset, stage_model
 from tasks.storage import NotFoundError, open_storage
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tasks.manifest import FileEntry, Manifest, check_relpath, digest_file, part_size_for
+from vime_engine.manifest import FileEntry, Manifest, check_relpath, digest_file, part_size_for
 from tasks.storage_errors import (
     NotFoundError, PermanentStorageError, StorageError, TransientStorageError, classify, with_retries,
 )

@@ -1,0 +1,144 @@
+"""Run one engine job (`tasks.chunk_runner`) as a child process and turn its exit into a typed outcome.
+
+Exit code → what the Prefect task does:
+  0                   the job's value
+  75 (preempted)      InfrastructureFailure: retried (the engine checkpointed before leaving)
+  3, or killed by a signal (OOM killer, node loss)   InfrastructureFailure: retried
+  2 (config)          EngineConfigFailure: fails at once with the engine's message
+  1 / anything else   EngineCodeFailure: fails at once with the traceback
+
+The child gets PR_SET_PDEATHSIG=SIGKILL, so a killed flow process never leaves an engine training on behind
+its back (a re-run would otherwise race it for the same checkpoint directory).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.chunk_runner import (
+    EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, RESULT_FILE,
+)
+from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RolloutCallback = Callable[[int, dict[str, Any]], None]
+
+
+class EngineFailure(RuntimeError):
+    """The engine process did not finish its job."""
+
+
+class InfrastructureFailure(EngineFailure):
+    """Preemption, a killed process, a dead Ray actor, a storage 5xx: another attempt may succeed."""
+
+
+class EngineConfigFailure(EngineFailure):
+    """The engine refused the configuration; retrying cannot help."""
+
+
+class EngineCodeFailure(EngineFailure):
+    """An error in code; retrying cannot help."""
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    value: dict[str, Any]
+    engine_seconds: float  # measured inside the child: the engine's own time, start-up included
+    wall_seconds: float  # measured here: child process start to exit
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _watch_metrics(path: Path, on_record: RolloutCallback, stop: threading.Event) -> None:
+    """Report every new metrics.jsonl record once (the file is rewritten on resume, so track ids, not offsets)."""
+    seen: set[tuple[int, bool]] = set()
+
+    def scan() -> None:
+        if not path.is_file():
+            return
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line being written right now
+                continue
+            key = (int(record.get("rollout_id", -1)), "rollout/raw_reward" in record)
+            if key not in seen:
+                seen.add(key)
+                on_record(key[0], record)
+
+    if path.is_file():  # records of earlier attempts are history, not progress
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                seen.add((int(r.get("rollout_id", -1)), "rollout/raw_reward" in r))
+            except json.JSONDecodeError:
+                pass
+    while not stop.wait(0.5):
+        scan()
+    scan()
+
+
+def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None = None,
+                   on_record: RolloutCallback | None = None) -> EngineRun:
+    """Write the job, run the child, classify its exit. `on_record` sees each new metrics record."""
+    import time
+
+    job_dir.mkdir(parents=True, exist_ok=True)
+    job_path = job_dir / "job.json"
+    job_path.write_text(json.dumps(job, indent=1, default=str))
+    (job_dir / RESULT_FILE).unlink(missing_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    stop = threading.Event()
+    watcher = None
+    if metrics_file is not None and on_record is not None:
+        watcher = threading.Thread(target=_watch_metrics, args=(metrics_file, on_record, stop), daemon=True)
+        watcher.start()
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tasks.chunk_runner", str(job_path)], env=env,
+                              preexec_fn=_die_with_parent, check=False)
+    finally:
+        stop.set()
+        if watcher is not None:
+            watcher.join(timeout=5)
+    wall = time.perf_counter() - t0
+    result_path = job_dir / RESULT_FILE
+    result = json.loads(result_path.read_text()) if result_path.is_file() else {}
+    error = result.get("error") or {}
+    code = proc.returncode
+    if code == EXIT_OK and "value" in result:
+        return EngineRun(result["value"], float(result["engine_seconds"]), wall)
+    if code == PREEMPTED_EXIT_CODE or code == EXIT_INFRASTRUCTURE:
+        raise InfrastructureFailure(f"engine exit {code}: {error.get('message', 'no message')}")
+    if code < 0:
+        raise InfrastructureFailure(f"engine killed by signal {signal.Signals(-code).name}")
+    if code == EXIT_CONFIG_ERROR:
+        raise EngineConfigFailure(error.get("message", "configuration error"))
+    raise EngineCodeFailure(error.get("traceback") or error.get("message") or f"engine exit {code} without a result")
+
+
+def is_infrastructure_failure(task, task_run, state) -> bool:
+    """Prefect retry condition: retry only what another attempt can fix."""
+    from tasks.storage_errors import TransientStorageError
+
+    try:
+        state.result()
+    except (InfrastructureFailure, TransientStorageError):
+        return True
+    except Exception:  # noqa: BLE001  (configuration and code errors fail at once)
+        return False
+    return False

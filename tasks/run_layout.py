@@ -1,0 +1,108 @@
+"""Where a run lives (storage prefix, local work directory) and the engine job every stage shares.
+
+Local paths are stable per (storage root, run name): a re-run on the same machine finds the in-chunk
+checkpoints of an interrupted attempt, and the engine sees the same --hf-checkpoint / --prompt-data paths it
+saved into its checkpoints (it refuses to resume under different values of fields that change the math).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tasks.staging import fetch
+from vime_engine.assets import cache_dir
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    storage_root: str
+    run_name: str
+    work_dir: str
+
+    @property
+    def run_prefix(self) -> str:
+        return f"runs/{self.run_name}"
+
+    @property
+    def artifact_key(self) -> str:
+        """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+        return "".join(c if c.isalnum() else "-" for c in self.run_name.lower()).strip("-")
+
+
+def make_layout(storage_root: str, run_name: str) -> RunLayout:
+    root_tag = hashlib.sha256(storage_root.encode()).hexdigest()[:8]
+    return RunLayout(storage_root, run_name, str(cache_dir() / "work" / f"{root_tag}-{run_name}"))
+
+
+@dataclass(frozen=True)
+class DatasetRef:
+    name: str  # "train" or the eval set's name
+    uri: str
+    manifest_hash: str
+    file: str | None  # inside the staged tree; None = its only data file
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    """The engine configuration of a run with its assets still in the storage root."""
+
+    flags: dict[str, Any]  # vime flags the pipeline does not manage
+    num_rollouts: int
+    model_uri: str
+    model_manifest_hash: str
+    train_data: DatasetRef
+    eval_data: list[DatasetRef] = field(default_factory=list)
+    ray_address: str | None = None
+
+    @property
+    def identity_hash(self) -> str:
+        """EngineConfig.math_hash with local paths replaced by the staged content's manifest hashes."""
+        from vime_engine.config import from_flat
+
+        values = {**self.flags, "num-rollout": self.num_rollouts,
+                  "hf-checkpoint": f"sha256:{self.model_manifest_hash}",
+                  "prompt-data": f"sha256:{self.train_data.manifest_hash}", "save": "<save>"}
+        return from_flat(values).math_hash()
+
+
+def _data_file(tree: Path, wanted: str | None) -> Path:
+    if wanted is not None:
+        path = tree / wanted
+        if not path.is_file():
+            raise FileNotFoundError(f"{wanted} is not in the staged dataset at {tree}")
+        return path
+    files = sorted(p for p in tree.rglob("*") if p.suffix in DATA_SUFFIXES and p.name != "manifest.json")
+    if len(files) != 1:
+        raise ValueError(f"the staged dataset holds {len(files)} data files ({[f.name for f in files]}): "
+                         "name one with `file`")
+    return files[0]
+
+
+def localize(job: EngineJob, layout: RunLayout) -> dict[str, Any]:
+    """Fetch (sha256-verified, skipping what is already there) the model and data; the full engine flags."""
+    work = Path(layout.work_dir)
+    assets = work / "assets"
+    model_dir = fetch(job.model_uri, assets / f"model-{job.model_manifest_hash[:16]}")
+
+    def local(ref: DatasetRef) -> str:
+        tree = fetch(ref.uri, assets / f"data-{ref.manifest_hash[:16]}")
+        return str(_data_file(tree, ref.file))
+
+    flags: dict[str, Any] = {
+        **job.flags,
+        "hf-checkpoint": str(model_dir),
+        "prompt-data": local(job.train_data),
+        "num-rollout": job.num_rollouts,
+        "save": str(work / "checkpoints"),
+        "output-dir": str(work / "output"),
+    }
+    if job.eval_data:
+        flags["eval-prompt-data"] = [v for ref in job.eval_data for v in (ref.name, local(ref))]
+    if job.ray_address:
+        flags["ray-address"] = job.ray_address
+    return flags

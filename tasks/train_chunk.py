@@ -1,0 +1,109 @@
+"""train_chunk: one resumable slice of the RL run, as a cached, retried Prefect task.
+
+The engine runs `run_chunk` in a child process (tasks.engine_process) on a private local Ray cluster or the
+given address. Its local checkpoint directory is stable per run, so a chunk killed midway resumes from its
+last in-chunk checkpoint; the chunk's end checkpoint is committed to the storage root, and the returned
+ChunkOutcome is persisted there too. Cache key = input checkpoint manifest hash + config hash + rollout
+range: a re-run of the flow gets finished chunks back `Cached` and trains only what is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from tasks.engine_process import is_infrastructure_failure, run_engine_job
+from tasks.run_layout import EngineJob, RunLayout, localize
+from tasks.storage import join_key, open_storage
+from vime_engine import checkpoint as ckpt
+
+
+@dataclass(frozen=True)
+class ChunkOutcome:
+    """What a chunk hands to the next one (and what Prefect persists)."""
+
+    checkpoint_uri: str  # the committed end checkpoint in the storage root
+    first_rollout: int
+    last_rollout: int  # inclusive
+    manifest_sha256: str  # the engine's checkpoint manifest: the next chunk's cache key starts from it
+    config_hash: str
+    metrics: dict[str, Any]  # the last rollout's metrics
+    resumed_from: int | None  # the newest checkpoint present when this attempt started (None: fresh)
+    engine_seconds: float
+    wall_seconds: float
+    storage_manifest_sha256: str = ""
+    attempts: list[str] = field(default_factory=list)
+
+
+def chunk_cache_key(context, parameters: dict[str, Any]) -> str:
+    """sha256 of the input checkpoint's manifest hash, the run's config hash and the rollout range."""
+    job: EngineJob = parameters["job"]
+    previous: ChunkOutcome | None = parameters["previous"]
+    input_manifest = previous.manifest_sha256 if previous is not None else f"model:{job.model_manifest_hash}"
+    text = f"{input_manifest}\n{job.identity_hash}\n{parameters['start']}+{parameters['count']}"
+    return "train-chunk-" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _format_rollout(rollout_id: int, m: dict[str, Any]) -> str:
+    if "rollout/raw_reward" not in m:
+        evals = ", ".join(f"{k} {v:.3f}" for k, v in sorted(m.items()) if k.startswith("eval/") and "/" not in k[5:])
+        return f"eval after rollout {rollout_id}: {evals}"
+    return (f"rollout {rollout_id}: reward {m['rollout/raw_reward']:.3f} "
+            f"len {m.get('rollout/response_len/mean', 0):.1f} "
+            f"Δlogp {m.get('train/train_rollout_logprob_abs_diff', 0):.1e} "
+            f"gen {m.get('perf/rollout_time', 0):.1f}s train {m.get('perf/train_time', 0):.1f}s")
+
+
+def _ensure_input_checkpoint(save_dir: Path, previous: ChunkOutcome | None) -> None:
+    """Make the previous chunk's end checkpoint available locally (another machine may have trained it)."""
+    if previous is None:
+        return
+    found = ckpt.find_latest(save_dir)
+    if found is not None and found.rollout_id >= previous.last_rollout:
+        return
+    target = ckpt.checkpoint_dir(save_dir, previous.last_rollout)
+    open_storage(previous.checkpoint_uri).fetch_tree("", target)
+    (save_dir / ckpt.LATEST).write_text(target.name)
+
+
+@task(name="train_chunk", task_run_name="train_chunk-from-{start}", persist_result=True,
+      cache_key_fn=chunk_cache_key, retries=3, retry_delay_seconds=2, retry_condition_fn=is_infrastructure_failure)
+def train_chunk(job: EngineJob, layout: RunLayout, start: int, count: int,
+                previous: ChunkOutcome | None) -> ChunkOutcome:
+    """Train rollouts start … start+count-1 from `previous` (or the initial model) and commit the end checkpoint."""
+    logger = get_run_logger()
+    flags = localize(job, layout)
+    save_dir = Path(flags["save"])
+    _ensure_input_checkpoint(save_dir, previous)
+    total = int(flags["num-rollout"])
+    progress_id = create_progress_artifact(
+        progress=100.0 * start / total, key=f"{layout.artifact_key}-training",
+        description=f"rollouts done of {total} (run {layout.run_name})")
+
+    def on_record(rollout_id: int, record: dict[str, Any]) -> None:
+        logger.info(_format_rollout(rollout_id, record))
+        if "rollout/raw_reward" in record:
+            update_progress_artifact(progress_id, 100.0 * (rollout_id + 1) / total)
+
+    run = run_engine_job({"mode": "train", "flags": flags, "start": start, "count": count},
+                         Path(layout.work_dir) / "jobs" / f"chunk-{start:07d}",
+                         metrics_file=Path(flags["output-dir"]) / "metrics.jsonl", on_record=on_record)
+    value = run.value
+    if value["resumed_from"] is not None and value["resumed_from"] >= start:
+        logger.info("resumed inside the chunk from rollout %d", value["resumed_from"])
+    last = int(value["last_rollout"])
+    key = join_key(layout.run_prefix, "checkpoints", ckpt.checkpoint_dir(Path("."), last).name)
+    root = open_storage(layout.storage_root)
+    manifest = root.commit_tree(Path(value["checkpoint_path"]), key,
+                                meta={"rollout_id": last, "engine_manifest_sha256": value["manifest_sha256"]})
+    return ChunkOutcome(
+        checkpoint_uri=root.uri(key), first_rollout=start, last_rollout=last,
+        manifest_sha256=value["manifest_sha256"], config_hash=value["config_hash"], metrics=value["metrics"],
+        resumed_from=value["resumed_from"], engine_seconds=run.engine_seconds, wall_seconds=run.wall_seconds,
+        storage_manifest_sha256=manifest.hash,
+    )
