@@ -357,9 +357,11 @@ def _validation_message(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
-        if err["type"] == "missing" and len(loc) == 1:
-            required = [_flag(n) for n, f in SECTIONS[loc[0]].model_fields.items() if f.is_required()]
-            lines.append(f"missing required {' and '.join(required)}")
+        if err["type"] == "missing":
+            missing = [loc[-1]] if len(loc) > 1 else [
+                n for n, f in SECTIONS[loc[0]].model_fields.items() if f.is_required()
+            ]
+            lines.append(f"missing required {' and '.join(_flag(n) for n in missing)}")
             continue
         flag = _flag(loc[-1]) if len(loc) > 1 else "config"
         if err["type"] == "value_error":

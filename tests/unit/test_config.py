@@ -1,0 +1,97 @@
+"""EngineConfig: vime flags, YAML, validation messages that name the flag and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from vime_engine.config import ConfigError, build_config, from_flat, parse_flags
+
+REQUIRED = {"hf-checkpoint": "/models/m", "prompt-data": "/data/p.jsonl"}
+
+# vime's Qwen3-4B GRPO launch flags (run-qwen3-4B.sh), with the model and data paths swapped for local ones.
+QWEN3_4B_SCRIPT = """
+--hf-checkpoint /models/m --ref-load /models/m --load /ckpt --save /ckpt --save-interval 20
+--prompt-data /data/p.jsonl --input-key prompt --label-key label --apply-chat-template --rollout-shuffle
+--rm-type deepscaler --num-rollout 3000 --rollout-batch-size 32 --n-samples-per-prompt 8
+--rollout-max-response-len 8192 --rollout-temperature 0.8 --global-batch-size 256 --balance-data
+--eval-interval 20 --eval-prompt-data aime /data/aime.jsonl --n-samples-per-eval-prompt 16
+--eval-max-response-len 16384 --eval-top-p 0.7
+--use-dynamic-batch-size --max-tokens-per-gpu 9216
+--advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.00 --kl-loss-type low_var_kl --entropy-coef 0.00
+--eps-clip 0.2 --eps-clip-high 0.28
+--optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
+--rollout-num-gpus-per-engine 2 --vllm-gpu-memory-utilization 0.7
+--actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate
+""".split()
+
+
+def test_vime_qwen3_4b_script_parses_with_vime_meanings():
+    cfg = build_config(QWEN3_4B_SCRIPT)
+    assert cfg.rollout.rollout_batch_size == 32 and cfg.rollout.n_samples_per_prompt == 8
+    assert cfg.global_batch_size == 256 and cfg.samples_per_rollout // cfg.global_batch_size == 1
+    assert cfg.algorithm.kl_loss_type == "low_var_kl" and cfg.algorithm.use_kl_loss
+    assert cfg.eps_clip_high == 0.28
+    assert cfg.eval_datasets == [("aime", "/data/aime.jsonl")]
+    assert cfg.placement.colocate and cfg.train.use_dynamic_batch_size
+
+
+def test_megatron_flags_pass_through_to_the_megatron_section():
+    cfg = build_config([*QWEN3_4B_SCRIPT, "--train-backend", "megatron", "--tensor-model-parallel-size", "2",
+                        "--sequence-parallel", "--recompute-granularity", "full"])
+    assert cfg.megatron == {"tensor-model-parallel-size": "2", "sequence-parallel": True,
+                            "recompute-granularity": "full"}
+
+
+def test_parallel_sizes_need_the_megatron_backend():
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size 2 need --train-backend megatron"):
+        build_config([*QWEN3_4B_SCRIPT, "--tensor-model-parallel-size", "2"])
+
+
+def test_unknown_flag_names_a_close_match():
+    with pytest.raises(ConfigError, match=r"unknown flag --rollout-batchsize \(did you mean --rollout-batch-size\?\)"):
+        parse_flags(["--rollout-batchsize", "4"])
+
+
+def test_global_batch_must_divide_the_rollout():
+    with pytest.raises(ConfigError, match=r"--global-batch-size 5 does not divide .* = 8; use one of \[1, 2, 4, 8\]"):
+        from_flat({**REQUIRED, "rollout-batch-size": 2, "n-samples-per-prompt": 4, "global-batch-size": 5})
+
+
+def test_bad_value_names_the_flag():
+    with pytest.raises(ConfigError, match=r"--rollout-temperature 'hot'"):
+        build_config(["--rollout-temperature", "hot"], **REQUIRED)
+
+
+def test_missing_required_flags_are_listed():
+    with pytest.raises(ConfigError, match="missing required --hf-checkpoint"):
+        build_config(["--prompt-data", "x.jsonl"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-gpu"),
+    (["--n-samples-per-prompt", "1", "--rollout-batch-size", "4"], "set --n-samples-per-prompt to 2 or more"),
+    (["--async-rollout", "--colocate"], "--async-rollout needs the rollout engine on its own actor"),
+    (["--save-interval", "2"], "--save-interval needs --save DIR"),
+    (["--eval-prompt-data", "aime"], "--eval-prompt-data takes pairs"),
+    (["--eps-clip-c", "0.5"], "--eps-clip-c"),
+])
+def test_impossible_combinations(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(flags, **REQUIRED)
+
+
+def test_yaml_then_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("hf-checkpoint: /m\nprompt_data: /p.jsonl\nrollout-batch-size: 4\nlr: 1.0e-5\n")
+    cfg = build_config(["--lr", "2e-5"], yaml_path=path)
+    assert cfg.rollout.rollout_batch_size == 4 and cfg.train.lr == 2e-5
+
+
+def test_math_hash_ignores_run_length_but_not_the_learning_rate():
+    base = from_flat({**REQUIRED, "num-rollout": 4})
+    assert base.math_hash() == base.with_overrides(num_rollout=40, save="/elsewhere").math_hash()
+    changed = base.with_overrides(lr=1e-3)
+    assert changed.math_hash() != base.math_hash()
+    assert changed.math_diff(base.math_fields()) == ["--lr: 1e-06 -> 0.001"]
+    decaying = base.with_overrides(lr_decay_style="cosine")  # the run length now shapes the LR schedule
+    assert decaying.with_overrides(num_rollout=40).math_hash() != decaying.math_hash()
