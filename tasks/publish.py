@@ -82,7 +82,7 @@ def summarize(history: list[dict[str, Any]], evaluation: EvalOutcome) -> dict[st
         "logprob_diff_last": gaps[-1] if gaps else None,
         "step_time_mean": _mean([r["perf/train_time"] for r in history if "perf/train_time" in r]),
     }
-    for key in eval_keys(history) + sorted(k for k in evaluation.metrics if k not in eval_keys(history)):
+    for key in sorted(set(eval_keys(history)) | set(eval_keys([evaluation.metrics]))):
         ids, values = series(history, key)
         out[f"{key} before"] = values[0] if ids and ids[0] == -1 else None
         out[f"{key} final"] = evaluation.metrics.get(key)

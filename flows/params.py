@@ -1,0 +1,167 @@
+"""The pipeline's parameters as pydantic models: the Prefect UI renders them as a form, the server rejects
+values outside their schema, and the flow validates the engine flags against EngineConfig before any work.
+
+The defaults are the embedded default run (`vimeflow run` without --config): built-in SmolLM2-135M-Instruct
+on built-in arithmetic problems with an AIME-shaped eval set, engine flags from configs/demo-engine.yaml
+when present (else the fallback below).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tasks.images import ImageRequirements
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DEMO_ENGINE_YAML = CONFIGS / "demo-engine.yaml"
+
+# Set by the pipeline from the other parameters; an engine flag of the same name would be ambiguous.
+PIPELINE_FLAGS = {"hf-checkpoint", "prompt-data", "num-rollout", "save", "load", "output-dir", "save-hf",
+                  "eval-prompt-data", "ray-address", "start-rollout-id"}
+
+# Used until configs/demo-engine.yaml (tuned for learning within 15 min on 2 cores) exists.
+FALLBACK_ENGINE_FLAGS: dict[str, Any] = {
+    "input-key": "question", "label-key": "answer", "apply-chat-template": True, "rollout-shuffle": True,
+    "rm-type": "gsm8k", "rollout-batch-size": 4, "n-samples-per-prompt": 4, "rollout-max-response-len": 48,
+    "rollout-temperature": 0.7, "lr": 2.0e-6, "eps-clip-high": 0.28, "save-interval": 1,
+}
+FALLBACK_NUM_ROLLOUTS = 8
+
+
+def _norm(key: str) -> str:
+    return key.replace("_", "-")
+
+
+def demo_engine_values() -> dict[str, Any]:
+    """configs/demo-engine.yaml as flat values (flag spelling), or {} when it does not exist yet."""
+    if not DEMO_ENGINE_YAML.is_file():
+        return {}
+    from vime_engine.config import load_yaml
+
+    return {_norm(k): v for k, v in load_yaml(DEMO_ENGINE_YAML).items()}
+
+
+class ModelSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field("builtin://smollm2-135m-instruct",
+                        description="hf://ORG/NAME[@REV], file:///dir, s3://…, obs://… or builtin://NAME",
+                        pattern=r"^(hf|file|s3|obs|builtin)://.+|^/.+")
+
+
+class TrainData(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field("builtin://arithmetic", description="prompt dataset (same schemes as the model)",
+                        pattern=r"^(hf|file|s3|obs|builtin)://.+|^/.+")
+    file: str | None = Field(None, description="the .jsonl/.parquet inside the staged tree (default: its only one)")
+
+
+class EvalDataset(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="metrics are eval/NAME and eval/NAME-pass@k")
+    source: str = Field(pattern=r"^(hf|file|s3|obs|builtin)://.+|^/.+")
+    file: str | None = None
+
+
+class EvaluationSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    datasets: list[EvalDataset] = Field(
+        default_factory=lambda: [EvalDataset(name="aime", source="builtin://aime-synthetic")])
+    n_samples: int = Field(4, ge=1, le=1024, description="samples per problem (avg@n, pass@k for k ≤ n)")
+    input_key: str = "prompt"
+    label_key: str = "label"
+    rm_type: str = "math"
+    max_response_len: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, gt=0)
+
+
+class EngineSettings(BaseModel):
+    """vime flags (flat names, e.g. `rollout-batch-size: 16`) for everything the pipeline does not set."""
+
+    model_config = ConfigDict(extra="forbid")
+    flags: dict[str, Any] = Field(default_factory=lambda: {
+        **FALLBACK_ENGINE_FLAGS,
+        **{k: v for k, v in demo_engine_values().items() if k not in PIPELINE_FLAGS},
+    })
+
+    @field_validator("flags")
+    @classmethod
+    def _check_flags(cls, flags: dict[str, Any]) -> dict[str, Any]:
+        from vime_engine.config import ConfigError, from_flat
+
+        flags = {_norm(k): v for k, v in flags.items()}
+        managed = sorted(PIPELINE_FLAGS & set(flags))
+        if managed:
+            raise ValueError(f"{', '.join('--' + f for f in managed)} are set by the pipeline from its other "
+                             "parameters (model, data, training, evaluation, storage, ray_address)")
+        try:  # validate everything else now, before staging anything
+            from_flat({**flags, "hf-checkpoint": "<model>", "prompt-data": "<data>", "save": "<save>"})
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return flags
+
+
+class TrainingPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    num_rollouts: int = Field(
+        default_factory=lambda: int(demo_engine_values().get("num-rollout", FALLBACK_NUM_ROLLOUTS)), ge=1)
+    rollouts_per_chunk: int = Field(4, ge=1, description="rollouts per train_chunk task (a resumable unit)")
+    infrastructure_retries: int = Field(3, ge=0, le=20, description="retries of a chunk after preemption, "
+                                        "a dead Ray actor or a storage 5xx; other errors fail at once")
+    train_backend_conversion: bool = Field(True, description="convert HF → the backend's format when needed")
+
+
+class StorageTarget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    root: str | None = Field(None, description="file:///…, s3://bucket/prefix or obs://bucket/prefix; "
+                             "default: file://<working directory>/vimeflow-runs",
+                             pattern=r"^(file|s3|obs)://.+")
+    run_name: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$",
+                                 description="default: derived from the model, data and engine config")
+    publish_prefix: str = Field("published", pattern=r"^[A-Za-z0-9._/-]+$",
+                                description="where publish writes under the run's prefix")
+
+    def resolved_root(self) -> str:
+        return self.root or (Path.cwd() / "vimeflow-runs").resolve().as_uri()
+
+
+class ImageCheck(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reference: str = Field(description="registry/repo:tag or @sha256:…")
+    requirements: ImageRequirements = Field(default_factory=ImageRequirements,
+                                            description="architecture (arm64 for Ascend), label checks")
+
+
+class PipelineParams(BaseModel):
+    """All parameters together: what `vimeflow run --config FILE` reads (every section optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: ModelSource = Field(default_factory=ModelSource)
+    data: TrainData = Field(default_factory=TrainData)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    training: TrainingPlan = Field(default_factory=TrainingPlan)
+    evaluation: EvaluationSettings = Field(default_factory=EvaluationSettings)
+    storage: StorageTarget = Field(default_factory=StorageTarget)
+    ray_address: str | None = None
+    image: ImageCheck | None = None
+
+    @model_validator(mode="after")
+    def _chunks_fit(self) -> PipelineParams:
+        if self.training.rollouts_per_chunk > self.training.num_rollouts:
+            self.training.rollouts_per_chunk = self.training.num_rollouts
+        return self
+
+    def as_flow_kwargs(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in type(self).model_fields}
+
+
+def load_params(path: str | Path | None) -> PipelineParams:
+    """PipelineParams from a YAML file (the embedded default when None)."""
+    if path is None:
+        return PipelineParams()
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    return PipelineParams.model_validate(data)

@@ -1,0 +1,95 @@
+"""rl-pipeline: the whole RL post-training run as one DAG.
+
+    check_image ─> stage_model ‖ stage_data ─> convert_checkpoint ─> train_chunk × N ─> evaluate ─> publish
+
+Each train_chunk is cached by (input checkpoint, config, rollout range) in the storage root, so re-running
+the flow with the same parameters after a crash, a preemption or a cancel trains only what is missing.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.params import (
+    EngineSettings, EvaluationSettings, ImageCheck, ModelSource, StorageTarget, TrainData, TrainingPlan,
+)
+from tasks.evaluate import evaluate
+from tasks.pipeline_prepare import check_image, convert_checkpoint, stage_data, stage_model
+from tasks.publish import PublishOutcome, publish
+from tasks.result_store import results_block
+from tasks.run_layout import DatasetRef, EngineJob, make_layout
+from tasks.staging import StagedAsset
+from tasks.train_chunk import train_chunk
+
+
+def engine_job(engine: EngineSettings, training: TrainingPlan, evaluation: EvaluationSettings,
+               model_uri: str, model_hash: str, data: TrainData, train_asset: StagedAsset,
+               eval_assets: list[StagedAsset], ray_address: str | None) -> EngineJob:
+    """The parameters and staged assets as the engine job every stage shares."""
+    eval_flags = {"n-samples-per-eval-prompt": evaluation.n_samples, "eval-input-key": evaluation.input_key,
+                  "eval-label-key": evaluation.label_key, "eval-rm-type": evaluation.rm_type,
+                  "eval-max-response-len": evaluation.max_response_len,
+                  "eval-temperature": evaluation.temperature}
+    return EngineJob(
+        flags={**engine.flags, **{k: v for k, v in eval_flags.items() if v is not None}},
+        num_rollouts=training.num_rollouts, model_uri=model_uri, model_manifest_hash=model_hash,
+        train_data=DatasetRef("train", train_asset.uri, train_asset.manifest_hash, data.file),
+        eval_data=[DatasetRef(d.name, a.uri, a.manifest_hash, d.file)
+                   for d, a in zip(evaluation.datasets, eval_assets)],
+        ray_address=ray_address,
+    )
+
+
+def chunk_ranges(num_rollouts: int, per_chunk: int) -> list[tuple[int, int]]:
+    """(start, count) of each chunk: consecutive, covering 0 … num_rollouts-1, the last one possibly shorter."""
+    return [(s, min(per_chunk, num_rollouts - s)) for s in range(0, num_rollouts, per_chunk)]
+
+
+@flow(name="rl-pipeline", log_prints=True)
+def rl_pipeline(
+    model: ModelSource = ModelSource(),
+    data: TrainData = TrainData(),
+    engine: EngineSettings = EngineSettings(),
+    training: TrainingPlan = TrainingPlan(),
+    evaluation: EvaluationSettings = EvaluationSettings(),
+    storage: StorageTarget = StorageTarget(),
+    ray_address: str | None = None,
+    image: ImageCheck | None = None,
+) -> PublishOutcome:
+    """Stage, convert, train in resumable chunks, evaluate and publish one RL post-training run."""
+    root = storage.resolved_root()
+    image_info = check_image(image.reference, image.requirements) if image else None
+
+    model_asset = stage_model.submit(model.source, root)
+    train_asset = stage_data.submit(data.source, root)
+    eval_assets = [stage_data.submit(d.source, root) for d in evaluation.datasets]
+    trainable = convert_checkpoint(model_asset, engine.flags.get("train-backend", "torch"), root)
+
+    job = engine_job(engine, training, evaluation, trainable.uri, trainable.manifest_hash, data,
+                     train_asset.result(), [a.result() for a in eval_assets], ray_address)
+    layout = make_layout(root, storage.run_name or job.identity_hash[:12])
+    results = results_block(root)
+
+    chunk = train_chunk.with_options(retries=training.infrastructure_retries, result_storage=results)
+    chunks, previous = [], None
+    for start, count in chunk_ranges(training.num_rollouts, training.rollouts_per_chunk):
+        previous = chunk(job, layout, start, count, previous)
+        chunks.append(previous)
+
+    final_eval = evaluate.with_options(result_storage=results)(job, layout, previous)
+    return publish(
+        job, layout, storage.publish_prefix, chunks, final_eval, trainable.staged,
+        [train_asset.result(), *(a.result() for a in eval_assets)],
+        image_info.model_dump() if image_info else None,
+        {"model": model.model_dump(), "data": data.model_dump(), "engine": engine.model_dump(),
+         "training": training.model_dump(), "evaluation": evaluation.model_dump(),
+         "storage": {**storage.model_dump(), "root": root}, "ray_address": ray_address},
+    )
+
+
+if __name__ == "__main__":
+    import sys
+
+    from flows.params import load_params
+
+    print(rl_pipeline(**load_params(sys.argv[1] if len(sys.argv) > 1 else None).as_flow_kwargs()))
