@@ -52,3 +52,61 @@ def resolve_accelerator(choice: str = "auto") -> Accelerator:
     if importlib.util.find_spec("torch_npu") is not None:
         return NPU
     return CPU
+
+
+class AcceleratorSetupError(RuntimeError):
+    """The process cannot use the chosen accelerator; the message says what to install, source or reorder."""
+
+
+# CANN's set_env.sh exports these; without them torch_npu cannot find the Ascend runtime.
+ASCEND_TOOLKIT_ENV = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
+ASCEND_SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
+
+
+def prepare_accelerator(acc: Accelerator, local_rank: int | None = None) -> None:
+    """Make this process ready to train on `acc`; the Megatron backend calls it before importing Megatron.
+
+    cpu: nothing. cuda: select the local GPU. npu: check the Ascend environment (CANN's set_env.sh was
+    sourced), apply `actor_env`, import torch_npu (it registers `torch.npu` and the hccl backend), select the
+    local NPU, and import MindSpeed's Megatron adaptor, which must patch Megatron before any `megatron` import.
+    Idempotent.
+    """
+    import os
+    import sys
+
+    rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+    if acc.kind == "cuda":
+        import torch
+
+        torch.cuda.set_device(rank)
+        return
+    if acc.kind != "npu":
+        return
+    if "mindspeed.megatron_adaptor" in sys.modules:
+        return
+    early = sorted(name for name in sys.modules if name == "megatron" or name.startswith("megatron."))
+    if early:
+        raise AcceleratorSetupError(
+            f"Megatron was imported before MindSpeed's adaptor ({early[0]} …): call prepare_accelerator() "
+            "first in the training process, before any megatron import"
+        )
+    if not any(os.environ.get(name) for name in ASCEND_TOOLKIT_ENV):
+        raise AcceleratorSetupError(
+            f"the Ascend toolkit environment is not set ({' / '.join(ASCEND_TOOLKIT_ENV)}): "
+            f"source {ASCEND_SET_ENV} before starting the trainer"
+        )
+    for key, value in acc.actor_env.items():
+        os.environ.setdefault(key, value)
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu and the hccl backend)
+    except ImportError as exc:
+        raise AcceleratorSetupError(f"--device npu needs torch_npu (the NPU image provides it): {exc}") from exc
+    import torch
+
+    torch.npu.set_device(rank)
+    try:
+        import mindspeed.megatron_adaptor  # noqa: F401
+    except ImportError as exc:
+        raise AcceleratorSetupError(
+            f"--train-backend megatron on NPU needs MindSpeed (installed from source in the NPU image): {exc}"
+        ) from exc

@@ -1,0 +1,27 @@
+"""The Megatron lane (Python 3.12, .venv-megatron; see scripts/ensure-venv-megatron).
+
+Under the main lane's Python 3.11 this folder collects nothing: megatron-core and megatron-bridge need 3.12.
+Under 3.12 they must import; a missing package fails the run instead of skipping.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info < (3, 12):
+    collect_ignore_glob = ["test_*.py"]
+else:
+    from tests.megatron.cpu_compat import import_megatron_bridge, install_cpu_cuda_shim
+
+    import_megatron_bridge()
+    install_cpu_cuda_shim()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    from vime_engine.models.builtin import materialize_builtin_model
+
+    return materialize_builtin_model("tiny-qwen3", tmp_path_factory.mktemp("models") / "tiny-qwen3")

@@ -1,0 +1,160 @@
+"""Test-only: run megatron-core and Megatron-Bridge on a CPU-only machine.
+
+Two pieces, the same idea as Ascend's `transfer_to_npu` (which remaps `torch.cuda` onto the NPU):
+
+* `install_transformer_engine_stub()`: Megatron-Bridge imports `transformer_engine.pytorch` at module level in
+  its LoRA layers (which AutoBridge imports). The stub is placed in `sys.modules` only while Megatron-Bridge is
+  imported and removed right after, so every `try: import transformer_engine` in megatron-core still fails
+  and Megatron keeps its local (non-TE) layers.
+* `install_cpu_cuda_shim()`: megatron-core calls `torch.cuda.*` and `Tensor.cuda()` unconditionally in a few
+  places (RNG tracker, optimizer, dist-checkpointing, DDP buffers); these are mapped to the CPU.
+
+Production code never imports this module: on CUDA and NPU (with MindSpeed) the real calls apply.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import types
+from contextlib import contextmanager
+
+import torch
+
+_installed = False
+
+
+class _Placeholder(type):
+    """A class that no object is an instance of; attribute access yields further placeholders."""
+
+    def __getattr__(cls, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder(name, (), {})
+
+
+def _stub_module(name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__getattr__ = lambda attr: _Placeholder(attr, (), {})  # type: ignore[method-assign]
+    module.__path__ = []  # a package, so `transformer_engine.pytorch` resolves
+    module.__version__ = "0.0.0"  # megatron-core caches this version: 0.0.0 reads as "no TE features"
+    return module
+
+
+@contextmanager
+def _transformer_engine_stub():
+    te = _stub_module("transformer_engine")
+    te_pytorch = _stub_module("transformer_engine.pytorch")
+    te.pytorch = te_pytorch
+    sys.modules["transformer_engine"] = te
+    sys.modules["transformer_engine.pytorch"] = te_pytorch
+    try:
+        yield
+    finally:
+        for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
+            del sys.modules[name]
+
+
+def import_megatron_bridge() -> types.ModuleType:
+    """Import megatron-core first (no TE: local layers), then Megatron-Bridge with the stub in place."""
+    import megatron.core  # noqa: F401
+    import megatron.core.extensions  # noqa: F401
+    import megatron.core.models.gpt.experimental_attention_variant_module_specs  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.tensor_parallel  # noqa: F401
+    import megatron.core.transformer  # noqa: F401
+
+    with _transformer_engine_stub():
+        bridge = importlib.import_module("megatron.bridge")
+        importlib.import_module("megatron.bridge.models.conversion.auto_bridge")
+        importlib.import_module("megatron.bridge.peft.lora_layers")
+    return bridge
+
+
+def install_cpu_cuda_shim() -> None:
+    """Map the `torch.cuda` calls megatron-core makes unconditionally onto the CPU (idempotent)."""
+    global _installed
+    if _installed or torch.cuda.is_available():
+        return
+    _installed = True
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    # The "device" generator is the CPU generator: Megatron's RNG tracker forks and restores it.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls this after seeding the CPU
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.memory_reserved = lambda device=None: 0
+    cuda.device_count = lambda: 0
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    _redirect_megatron_factories()
+
+
+# Tensor factories megatron-core calls with device="cuda" (causal masks, optimizer flags, checkpoint sync).
+_FACTORIES = ["tensor", "empty", "zeros", "ones", "full", "arange", "rand", "randn", "randint"]
+# Loaded before redirecting, so their module-level `torch` can be swapped (lazy imports would miss it).
+_MEGATRON_MODULES = [
+    "megatron.core.optimizer", "megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler", "megatron.core.distributed", "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel", "megatron.core.transformer.utils",
+    "megatron.core.tensor_parallel.data", "megatron.core.models.common.embeddings.rotary_pos_embedding",
+]
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int)  # a bare index means a CUDA device to torch
+
+
+def _on_cpu(factory):
+    @functools.wraps(factory)
+    def wrapper(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+class _TorchOnCpu(types.ModuleType):
+    """`torch` as Megatron's modules see it: the real module, with device="cuda" factories landing on the CPU.
+
+    Scoped to Megatron's own module globals: wrapping `torch.tensor` process-wide breaks transformers' meta-device
+    model loading (rotary buffers come out zero).
+    """
+
+    def __init__(self):
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def _redirect_megatron_factories() -> None:
+    for name in _MEGATRON_MODULES:
+        importlib.import_module(name)
+    proxy = _TorchOnCpu()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and getattr(module, "torch", None) is torch:
+            module.torch = proxy

@@ -1,0 +1,173 @@
+"""HF <-> Megatron (torch_dist) checkpoint conversion through Megatron-Bridge, verified by a round trip.
+
+HF → Megatron writes `<dest>/iter_0000000/` (Megatron's distributed checkpoint, torch_dist backend, the model's
+sharded state dict under "model"), `latest_checkpointed_iteration.txt`, and `<dest>/hf_config/` (the source's
+config and tokenizer, so the way back needs nothing else). Megatron → HF writes an ordinary HF directory.
+
+Verification reloads what was written into a fresh model and requires (1) every exported HF tensor equal to
+the source's and (2) the per-token log-probs of a fixed batch equal between the HF model and the Megatron
+model within `LOGPROB_TOLERANCE` (fp32). `conversion.json` is written last, with the source's content hash: a
+destination holding it for the same source is complete and the conversion is skipped (idempotent).
+
+Runs in one process (tensor and pipeline parallel size 1); the weights land on the CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from vime_engine.runtime.devices import CPU, Accelerator, prepare_accelerator
+
+Direction = Literal["hf_to_megatron", "megatron_to_hf"]
+MARKER = "conversion.json"
+LOGPROB_TOLERANCE = 1e-5
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+class ConversionError(RuntimeError):
+    """The converted checkpoint does not reproduce the source; nothing was marked complete."""
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    direction: Direction
+    source: str
+    dest: str
+    source_hash: str
+    max_tensor_abs_diff: float
+    max_logprob_abs_diff: float
+    skipped: bool = False
+
+
+def directory_hash(directory: Path) -> str:
+    """sha256 over every file's relative path and bytes, in sorted order (the marker file excluded)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MARKER):
+        digest.update(str(path.relative_to(directory)).encode() + b"\0")
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def convert_checkpoint(
+    source: str | Path, dest: str | Path, direction: Direction, accelerator: Accelerator = CPU
+) -> ConversionResult:
+    """Convert `source` into `dest` (skipped when `dest` already holds a verified conversion of it)."""
+    source, dest = Path(source), Path(dest)
+    if not source.is_dir():
+        raise FileNotFoundError(f"conversion source {source} is not a directory")
+    source_hash = directory_hash(source)
+    done = _completed(dest, direction, source_hash)
+    if done is not None:
+        return done
+    prepare_accelerator(accelerator)
+    from vime_engine.train import megatron_model as mm  # after prepare_accelerator: MindSpeed patches first
+
+    mm.init_distributed(accelerator, mm.ParallelLayout(), seed=0)
+    if dest.exists():
+        shutil.rmtree(dest)  # an unmarked destination is a crashed attempt
+    if direction == "hf_to_megatron":
+        tensor_diff, logprob_diff = _hf_to_megatron(mm, source, dest, accelerator)
+    elif direction == "megatron_to_hf":
+        tensor_diff, logprob_diff = _megatron_to_hf(mm, source, dest, accelerator)
+    else:
+        raise ValueError(f"direction {direction!r}: expected hf_to_megatron or megatron_to_hf")
+    result = ConversionResult(direction, str(source), str(dest), source_hash, tensor_diff, logprob_diff)
+    (dest / MARKER).write_text(json.dumps(asdict(result), indent=2))
+    return result
+
+
+def _completed(dest: Path, direction: Direction, source_hash: str) -> ConversionResult | None:
+    marker = dest / MARKER
+    if not marker.is_file():
+        return None
+    recorded = json.loads(marker.read_text())
+    if recorded.get("direction") != direction or recorded.get("source_hash") != source_hash:
+        return None
+    return ConversionResult(**{**recorded, "skipped": True})
+
+
+def _hf_to_megatron(mm, source: Path, dest: Path, accelerator: Accelerator) -> tuple[float, float]:
+    bridge = mm.hf_bridge(source, torch.float32)
+    model = mm.build_model(bridge, mm.ParallelLayout(), torch.float32, accelerator, load_weights=True)
+    mm.save_torch_dist(mm.model_sharded_state_dict(model), dest / mm.TORCH_DIST_ITERATION_DIR)
+    (dest / "latest_checkpointed_iteration.txt").write_text("0")
+    _copy_non_weight_files(source, dest / mm.HF_CONFIG_DIR)
+    del model
+
+    reloaded = mm.build_model(bridge, mm.ParallelLayout(), torch.float32, accelerator, load_weights=False)
+    mm.load_torch_dist(mm.model_sharded_state_dict(reloaded), dest / mm.TORCH_DIST_ITERATION_DIR)
+    return _verify(mm, bridge, reloaded, hf_dir=source)
+
+
+def _megatron_to_hf(mm, source: Path, dest: Path, accelerator: Accelerator) -> tuple[float, float]:
+    from megatron.bridge import AutoBridge
+    from transformers import AutoConfig
+
+    hf_config_dir = source / mm.HF_CONFIG_DIR
+    if not (source / mm.TORCH_DIST_ITERATION_DIR).is_dir() or not hf_config_dir.is_dir():
+        raise FileNotFoundError(
+            f"{source} is not a converted Megatron checkpoint: expected {mm.TORCH_DIST_ITERATION_DIR}/ and "
+            f"{mm.HF_CONFIG_DIR}/ (write one with direction hf_to_megatron)"
+        )
+    bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(hf_config_dir))
+    model = mm.build_model(bridge, mm.ParallelLayout(), torch.float32, accelerator, load_weights=False)
+    mm.load_torch_dist(mm.model_sharded_state_dict(model), source / mm.TORCH_DIST_ITERATION_DIR)
+    weights = {name: t for name, t in bridge.export_hf_weights(model, cpu=True, show_progress=False)}
+    mm.save_hf_weights(weights, dest)
+    _copy_non_weight_files(hf_config_dir, dest)
+    return _verify(mm, bridge, model, hf_dir=dest)
+
+
+def _copy_non_weight_files(source: Path, dest: Path) -> None:
+    """Config, generation config, tokenizer and chat template: everything but the weight files."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name != MARKER:
+            if "index.json" not in path.name:
+                shutil.copy2(path, dest / path.name)
+
+
+def _verify(mm, bridge, model, hf_dir: Path) -> tuple[float, float]:
+    """Max |difference| of exported vs HF tensors and of fixed-batch log-probs; raises past the tolerances."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf_state = hf_model.state_dict()
+    tensor_diff = 0.0
+    exported = set()
+    for name, tensor in bridge.export_hf_weights(model, cpu=True, show_progress=False):
+        exported.add(name)
+        if name not in hf_state:
+            raise ConversionError(f"exported tensor {name} does not exist in the HF model at {hf_dir}")
+        if tensor.shape != hf_state[name].shape:
+            raise ConversionError(f"{name}: shape {tuple(tensor.shape)} != HF {tuple(hf_state[name].shape)}")
+        tensor_diff = max(tensor_diff, (tensor.float() - hf_state[name].float()).abs().max().item())
+    tied = {"lm_head.weight"} if hf_model.config.tie_word_embeddings else set()
+    missing = set(hf_state) - exported - tied
+    if missing:
+        raise ConversionError(f"tensors missing from the Megatron checkpoint: {sorted(missing)[:5]}")
+    if tensor_diff != 0.0:
+        raise ConversionError(f"exported tensors differ from {hf_dir} by up to {tensor_diff:.3e}")
+
+    vocab = hf_model.config.vocab_size
+    tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = torch.log_softmax(hf_model(input_ids=tokens).logits.float(), dim=-1)
+        chunk = model[0].eval()
+        ours = torch.log_softmax(mm.forward_logits(chunk, tokens, vocab).float(), dim=-1)
+    picked = lambda lp: lp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)  # noqa: E731
+    logprob_diff = (picked(reference) - picked(ours)).abs().max().item()
+    if logprob_diff > LOGPROB_TOLERANCE:
+        raise ConversionError(
+            f"log-probs of the converted model differ from HF by {logprob_diff:.3e} > {LOGPROB_TOLERANCE}"
+        )
+    return tensor_diff, logprob_diff
