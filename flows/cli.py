@@ -73,6 +73,65 @@ def train(
         console.print(f"checkpoint: {result.checkpoint.path}")
 
 
+@app.command()
+def run(config: Path = typer.Option(None, "--config", help="pipeline YAML (flows/params.py: model, data, "
+                                                         "engine.flags, training, evaluation, storage, image)")) -> None:
+    """The whole pipeline (stage → convert → train in chunks → evaluate → publish) on the embedded default or
+    --config; Prefect's ephemeral API unless PREFECT_API_URL is set. Re-running resumes where it stopped."""
+    from flows.params import load_params
+
+    try:
+        params = load_params(config)
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    from flows.rl_pipeline import rl_pipeline
+
+    outcome = rl_pipeline(**params.as_flow_kwargs())
+    for key, value in outcome.summary.items():
+        console.print(f"  {key:<32} {'—' if value is None else f'{value:.4g}'}")
+    console.print(f"report: [bold]{outcome.report_uri}[/bold]")
+    console.print(f"local copy: {Path(outcome.local_dir) / 'report.md'}")
+
+
+@app.command()
+def deploy() -> None:
+    """Apply the deployments (rl-pipeline, nightly-regression) and the crash automations to PREFECT_API_URL."""
+    from flows.deploy import apply_deployments, create_automations
+
+    apply_deployments()
+    create_automations()
+    console.print("deployments rl-pipeline, nightly-regression and the crash automations are applied")
+
+
+@app.command()
+def server(host: str = "127.0.0.1", port: int = 4200) -> None:
+    """A Prefect server (SQLite by default; PostgreSQL via PREFECT_API_DATABASE_CONNECTION_URL), the
+    deployments and automations, and a process worker; runs until Ctrl-C."""
+    import os
+
+    from flows.deploy import apply_deployments, create_automations, start_server, start_worker, ui_url
+
+    api = f"http://{host}:{port}/api"
+    env = {**os.environ, "PREFECT_API_URL": api}
+    os.environ["PREFECT_API_URL"] = api
+    server_proc = start_server(host, port, env)
+    worker = None
+    try:
+        apply_deployments(env)
+        create_automations()
+        worker = start_worker(env)
+        console.print(f"Prefect UI: [bold]{ui_url(api)}[/bold]  (worker on pool vimeflow-process; Ctrl-C stops)")
+        server_proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for proc in (worker, server_proc):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
 def main() -> None:
     app(prog_name="vimeflow")
 

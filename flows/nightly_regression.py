@@ -1,0 +1,56 @@
+"""nightly-regression: the pipeline on a small pinned configuration, gated on a stored baseline.
+
+Runs rl-pipeline as a subflow (fresh storage per run unless `storage_root` is given), compares its final
+reward, train/rollout log-prob gap, eval score and step time (as a ratio to a reference workload timed in
+this run) against tolerance bands, publishes the comparison as a markdown artifact, and fails the run when a
+metric leaves its band.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger, runtime, task
+from prefect.artifacts import create_markdown_artifact
+
+from flows.params import CONFIGS, load_params
+from flows.rl_pipeline import rl_pipeline
+from tasks.regression import compare, load_baseline, reference_seconds, render_diff
+
+
+class RegressionDetected(AssertionError):
+    """A metric left its tolerance band."""
+
+
+@task(name="measure_reference")
+def measure_reference() -> float:
+    return reference_seconds()
+
+
+@flow(name="nightly-regression", log_prints=True)
+def nightly_regression(
+    config_file: str = str(CONFIGS / "pipeline-tiny.yaml"),
+    baseline_file: str = str(CONFIGS / "nightly-baseline.yaml"),
+    storage_root: str | None = None,
+) -> dict[str, float | None]:
+    """Run the pinned configuration and gate it on the baseline's bands."""
+    params = load_params(config_file)
+    root = storage_root or (Path.cwd() / "vimeflow-nightly" / str(runtime.flow_run.id)).resolve().as_uri()
+    params.storage = params.storage.model_copy(update={"root": root})
+    reference = measure_reference()
+    outcome = rl_pipeline(**params.as_flow_kwargs())
+    observed = {**outcome.summary}
+    if observed.get("step_time_mean") is not None:
+        observed["step_time_ratio"] = observed["step_time_mean"] / reference
+    results = compare(observed, load_baseline(baseline_file))
+    diff = render_diff(results)
+    create_markdown_artifact(f"# Nightly regression\n\nreport: {outcome.report_uri}\n\n{diff}\n",
+                             key="nightly-regression", description="metrics against the baseline")
+    get_run_logger().info("\n%s", diff)
+    if not all(r.passed for r in results):
+        raise RegressionDetected(diff)
+    return observed
+
+
+if __name__ == "__main__":
+    nightly_regression()

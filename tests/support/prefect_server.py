@@ -1,0 +1,89 @@
+"""A real `prefect server` for tests: a free port, its own PREFECT_HOME (SQLite), killed at the end.
+
+`prefect_api` (session-scoped) starts it once; tests talk to it through the REST API exactly as the UI does,
+and in-process flow calls reach it through PREFECT_API_URL, which the fixture sets for the session.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+@dataclass(frozen=True)
+class PrefectAPI:
+    url: str  # http://127.0.0.1:PORT/api
+    home: Path
+    env: dict[str, str]  # the environment a worker or flow process needs to reach this server
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", timeout=30)
+
+    def post(self, path: str, json: dict | None = None) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json=json or {}, timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory) -> Iterator[PrefectAPI]:
+    from flows.deploy import start_server
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "INFO",
+           "VIMEFLOW_CACHE": str(tmp_path_factory.mktemp("vimeflow-cache")),
+           "VIMEFLOW_RAY_TMP": str(tmp_path_factory.mktemp("ray"))}
+    server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    proc = start_server("127.0.0.1", port, server_env, log_file=home / "server.log")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # in-process flows and clients of this session talk to this server
+    try:
+        yield PrefectAPI(url, home, env)
+    finally:
+        _stop(proc)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def wait_for_flow_run(api: PrefectAPI, flow_run_id: str, timeout: float = 600) -> dict:
+    """Poll until the flow run is in a final state; returns its JSON."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = api.get(f"/flow_runs/{flow_run_id}").json()
+        if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return run
+        time.sleep(1)
+    raise TimeoutError(f"flow run {flow_run_id} not finished after {timeout:.0f} s")
+
+
+def task_runs_of(api: PrefectAPI, flow_run_id: str) -> list[dict]:
+    body = {"flow_runs": {"id": {"any_": [flow_run_id]}}, "limit": 200}
+    return api.post("/task_runs/filter", body).json()
