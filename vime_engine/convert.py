@@ -100,7 +100,7 @@ def _hf_to_megatron(mm, source: Path, dest: Path, accelerator: Accelerator) -> t
     model = mm.build_model(bridge, mm.ParallelLayout(), torch.float32, accelerator, load_weights=True)
     mm.save_torch_dist(mm.model_sharded_state_dict(model), dest / mm.TORCH_DIST_ITERATION_DIR)
     (dest / "latest_checkpointed_iteration.txt").write_text("0")
-    _copy_non_weight_files(source, dest / mm.HF_CONFIG_DIR)
+    copy_non_weight_files(source, dest / mm.HF_CONFIG_DIR)
     del model
 
     reloaded = mm.build_model(bridge, mm.ParallelLayout(), torch.float32, accelerator, load_weights=False)
@@ -123,11 +123,11 @@ def _megatron_to_hf(mm, source: Path, dest: Path, accelerator: Accelerator) -> t
     mm.load_torch_dist(mm.model_sharded_state_dict(model), source / mm.TORCH_DIST_ITERATION_DIR)
     weights = {name: t for name, t in bridge.export_hf_weights(model, cpu=True, show_progress=False)}
     mm.save_hf_weights(weights, dest)
-    _copy_non_weight_files(hf_config_dir, dest)
+    copy_non_weight_files(hf_config_dir, dest)
     return _verify(mm, bridge, model, hf_dir=dest)
 
 
-def _copy_non_weight_files(source: Path, dest: Path) -> None:
+def copy_non_weight_files(source: Path, dest: Path) -> None:
     """Config, generation config, tokenizer and chat template: everything but the weight files."""
     dest.mkdir(parents=True, exist_ok=True)
     for path in source.iterdir():

@@ -14,11 +14,11 @@ Production code never imports this module: on CUDA and NPU (with MindSpeed) the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import sys
 import types
-from contextlib import contextmanager
 
 import torch
 
@@ -42,7 +42,7 @@ def _stub_module(name: str) -> types.ModuleType:
     return module
 
 
-@contextmanager
+@contextlib.contextmanager
 def _transformer_engine_stub():
     te = _stub_module("transformer_engine")
     te_pytorch = _stub_module("transformer_engine.pytorch")
@@ -98,9 +98,24 @@ def install_cpu_cuda_shim() -> None:
     cuda.max_memory_allocated = lambda device=None: 0
     cuda.memory_reserved = lambda device=None: 0
     cuda.device_count = lambda: 0
+    # One CPU "stream": work is already ordered, so waits and events are no-ops.
+    cuda.Stream = _CpuStream
+    cuda.Event = _CpuStream
+    cuda.current_stream = lambda device=None: _CpuStream()
+    cuda.default_stream = lambda device=None: _CpuStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.Tensor.record_stream = lambda self, stream: None
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.nn.Module.cuda = lambda self, *args, **kwargs: self
     _redirect_megatron_factories()
+
+
+class _CpuStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None  # wait_stream, wait_event, record_event, record, synchronize
 
 
 # Tensor factories megatron-core calls with device="cuda" (causal masks, optimizer flags, checkpoint sync).

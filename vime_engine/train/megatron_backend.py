@@ -1,0 +1,280 @@
+"""Training backend `megatron`: a Megatron-Core GPT model built from HF weights through Megatron-Bridge.
+
+Same contract as the torch backend: build from an HF directory, per-token response log-probs,
+`train_rollout(samples)` with the shared RL objective, the weights as an HF-named stream (`named_weights`, the
+weight-sync source; collective: every rank iterates it), `save_hf`, and resumable state through Megatron's
+distributed checkpointing (`save_state` / `load_state`, collective).
+
+Parallelism comes from Megatron's flags in `cfg.megatron` (tensor / pipeline / expert parallel, sequence
+parallel, recompute); the ranks left over form the data-parallel group. Micro-batches run through Megatron's
+forward-backward schedule, so pipeline parallelism works unchanged. Each optimizer step's samples are dealt
+round-robin over data-parallel ranks; the loss uses the step's global denominators and is scaled so that the
+summed gradient equals the torch backend's (DDP averages over data-parallel ranks, the schedule over
+micro-batches: both are undone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
+from vime_engine.config import EngineConfig
+from vime_engine.runtime.devices import prepare_accelerator, resolve_accelerator
+from vime_engine.sample import Sample
+from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference, response_log_probs
+from vime_engine.train.rollout_batch import RolloutBatch, build_rollout_batch, global_batches
+
+
+@dataclass
+class _MicroBatch:
+    indices: list[int]  # into the list of samples the batch was cut from
+    input_ids: Tensor
+    positions: Tensor
+    rows: Tensor  # per response token: its row in input_ids
+    columns: Tensor  # per response token: its position in input_ids
+
+
+class MegatronTrainBackend:
+    def __init__(self, cfg: EngineConfig, device: str = "cpu"):
+        self.cfg = cfg
+        self.accelerator = resolve_accelerator(device)
+        prepare_accelerator(self.accelerator)  # before the first megatron import (MindSpeed on NPU)
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.utils import get_model_config
+
+        from vime_engine.train import megatron_model as mm
+
+        if cfg.algorithm.advantage_estimator == "ppo":
+            raise mm.MegatronSetupError("--advantage-estimator ppo needs a critic: use --train-backend torch")
+        self.mm, self.ps = mm, parallel_state
+        self.layout = mm.ParallelLayout.from_flags(cfg.megatron)
+        mm.init_distributed(self.accelerator, self.layout, cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)
+        self.device = torch.device(self.accelerator.torch_device)
+        self.dtype = getattr(torch, cfg.model.dtype)
+        self.bridge = mm.hf_bridge(cfg.model.hf_checkpoint, self.dtype)
+        self.vocab_size = self.bridge.hf_pretrained.config.vocab_size
+        self.tied = bool(getattr(self.bridge.hf_pretrained.config, "tie_word_embeddings", False))
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        self.model = mm.build_model(self.bridge, self.layout, self.dtype, self.accelerator, ddp_config=ddp)
+        self.ref_model = None
+        if needs_reference(cfg):
+            ref_bridge = mm.hf_bridge(cfg.checkpoint.ref_load or cfg.model.hf_checkpoint, self.dtype)
+            self.ref_model = mm.build_model(ref_bridge, self.layout, self.dtype, self.accelerator)
+            for chunk in self.ref_model:
+                chunk.eval().requires_grad_(False)
+        t = cfg.train
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=self.dtype == torch.bfloat16,
+                fp16=self.dtype == torch.float16, params_dtype=self.dtype,
+            ),
+            self.model,
+        )
+        self.scheduler = _lr_scheduler(cfg, self.optimizer)
+        config = get_model_config(self.model[0])
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+
+    # -- forward passes through Megatron's schedule ------------------------------------------------------------
+    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+        t = self.cfg.train
+        if t.use_dynamic_batch_size:
+            return pack_by_token_budget([s.total_length for s in samples], t.max_tokens_per_gpu)
+        return fixed_size_micro_batches(len(samples), t.micro_batch_size)
+
+    def _inputs(self, samples: list[Sample], indices: list[int]) -> _MicroBatch:
+        chosen = [samples[i] for i in indices]
+        longest = max(s.total_length for s in chosen)
+        input_ids = torch.zeros(len(chosen), longest, dtype=torch.long)
+        for row, s in enumerate(chosen):
+            input_ids[row, : s.total_length] = torch.tensor(s.prompt_tokens + s.response_tokens)
+        rows = torch.repeat_interleave(torch.arange(len(chosen)), torch.tensor([s.response_length for s in chosen]))
+        columns = torch.cat([torch.arange(len(s.prompt_tokens), s.total_length) for s in chosen])
+        positions = torch.arange(longest).unsqueeze(0).expand(len(chosen), -1)
+        return _MicroBatch(indices, *(x.to(self.device) for x in (input_ids, positions, rows, columns)))
+
+    def _response_outputs(self, batch: _MicroBatch, output: Tensor) -> tuple[Tensor, Tensor]:
+        """Flat response log-probs and response logits / T of one micro-batch from the last stage's output."""
+        logits = self.mm.full_vocab_logits(output, self.vocab_size)
+        response_logits = logits[batch.rows, batch.columns - 1]  # the logit at t-1 predicts token t
+        temperature = self.cfg.rollout.rollout_temperature
+        tokens = batch.input_ids[batch.rows, batch.columns]
+        return response_log_probs(response_logits, tokens, temperature), response_logits.float() / temperature
+
+    def _schedule(self, model, batches: list[_MicroBatch], loss_func, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        data = iter(batches)
+
+        def forward_step(data_iterator, chunk):
+            batch = next(data_iterator)
+            output = chunk(input_ids=batch.input_ids, position_ids=batch.positions, attention_mask=None)
+            return output, partial(loss_func, batch)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data, model=model, num_microbatches=len(batches),
+            seq_length=max(b.input_ids.shape[1] for b in batches),
+            micro_batch_size=max(b.input_ids.shape[0] for b in batches), forward_only=forward_only,
+        )
+
+    @torch.no_grad()
+    def _log_probs(self, model, samples: list[Sample]) -> Tensor:
+        for chunk in model:
+            chunk.eval()
+        batches = [self._inputs(samples, mb) for mb in self._micro_batches(samples)]
+
+        def collect(batch, output):
+            return output.sum() * 0, {"log_probs": self._response_outputs(batch, output)[0].float()}
+
+        outputs = self._schedule(model, batches, collect, forward_only=True)
+        total = sum(s.response_length for s in samples)
+        flat = torch.empty(total, dtype=torch.float32, device=self.device)
+        if self.ps.is_pipeline_last_stage():
+            order = torch.cat([torch.tensor(b.indices) for b in batches]).tolist()
+            per_sample = dict(zip(order, _split([o["log_probs"] for o in outputs], batches, samples)))
+            flat = torch.cat([per_sample[i] for i in range(len(samples))])
+        if self.layout.pipeline > 1:
+            torch.distributed.broadcast(
+                flat, self.ps.get_pipeline_model_parallel_last_rank(), group=self.ps.get_pipeline_model_parallel_group()
+            )
+        return flat
+
+    def log_probs(self, samples: list[Sample]) -> Tensor:
+        """Current policy's flat response log-probs (no gradient); every rank gets all samples'."""
+        return self._log_probs(self.model, samples)
+
+    # -- one rollout's training ---------------------------------------------------------------------------------
+    def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
+        """Advantages for the whole rollout, then one optimizer step per global batch; averaged metrics."""
+        old_lp = self.log_probs(samples)
+        ref_lp = self._log_probs(self.ref_model, samples) if self.ref_model is not None else None
+        rollout = build_rollout_batch(self.cfg, samples, old_lp, ref_lp)
+        steps = global_batches(len(samples), self.cfg.global_batch_size)
+        totals: dict[str, float] = {}
+        for step in steps:
+            for key, value in self._optimizer_step(samples, step, rollout).items():
+                totals[key] = totals.get(key, 0.0) + value / len(steps)
+        totals["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        return totals
+
+    def _optimizer_step(self, samples: list[Sample], step: list[int], rollout: RolloutBatch) -> dict[str, float]:
+        dp_rank, dp_size = self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
+        local = step[dp_rank::dp_size]
+        global_tokens, global_samples = max(rollout.num_tokens(step), 1), len(step)
+        local_samples = [samples[i] for i in local]
+        batches = [self._inputs(local_samples, mb) for mb in self._micro_batches(local_samples)]
+        scale = len(batches) * dp_size  # undo the schedule's 1/num_microbatches and DDP's 1/dp averaging
+
+        def loss_func(batch, output):
+            log_probs, logits = self._response_outputs(batch, output)
+            targets = rollout.targets([local[i] for i in batch.indices])
+            loss, metrics = micro_batch_loss(
+                self.cfg, MicroBatchOutputs(log_probs, logits), targets, global_tokens, global_samples
+            )
+            return loss * scale, metrics
+
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._schedule(self.model, batches, loss_func, forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        metrics = self._reduce_metrics(outputs)
+        if grad_norm is not None:
+            metrics["train/grad_norm"] = float(grad_norm)
+        return metrics
+
+    def _reduce_metrics(self, outputs: list[dict[str, float]]) -> dict[str, float]:
+        """Sum the micro-batches' metric shares over data-parallel ranks; known on every pipeline stage."""
+        summed: dict[str, float] = {}
+        for metrics in outputs:
+            for key, value in metrics.items():
+                summed[key] = summed.get(key, 0.0) + value
+        if self.layout.pipeline > 1:
+            holder = [summed]
+            torch.distributed.broadcast_object_list(
+                holder, self.ps.get_pipeline_model_parallel_last_rank(), group=self.ps.get_pipeline_model_parallel_group()
+            )
+            summed = holder[0]
+        keys = sorted(summed)
+        values = torch.tensor([summed[k] for k in keys], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(values, group=self.ps.get_data_parallel_group())
+        return dict(zip(keys, values.tolist()))
+
+    # -- weights out --------------------------------------------------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The policy's full weights in HF names (gathered over TP/PP; collective: every rank must iterate);
+        `lm_head.weight` always included (vLLM needs it even when tied)."""
+        for name, tensor in self.bridge.export_hf_weights(self.model, cpu=False, show_progress=False):
+            yield name, tensor.detach()
+            if self.tied and name == "model.embed_tokens.weight":
+                yield "lm_head.weight", tensor.detach()
+
+    def save_hf(self, directory: str | Path, tokenizer_from: str | None = None) -> Path:
+        """An HF directory (safetensors + config + tokenizer) of the current weights; collective, rank 0 writes."""
+        from vime_engine.convert import copy_non_weight_files
+
+        directory = Path(directory)
+        weights = {
+            name: tensor.cpu() for name, tensor in self.bridge.export_hf_weights(self.model, cpu=True, show_progress=False)
+        }
+        if torch.distributed.get_rank() == 0:
+            self.mm.save_hf_weights(weights, directory)
+            copy_non_weight_files(Path(tokenizer_from or self.cfg.model.hf_checkpoint), directory)
+        torch.distributed.barrier()
+        return directory
+
+    # -- resumable state (Megatron distributed checkpointing) ---------------------------------------------------
+    def _sharded_state(self, is_loading: bool) -> dict:
+        model_state = self.mm.model_sharded_state_dict(self.model)
+        return {
+            **model_state,
+            "optimizer": self.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def save_state(self, directory: str | Path) -> Path:
+        """Model, optimizer and LR schedule as a torch_dist checkpoint in `directory` (collective)."""
+        directory = Path(directory)
+        self.mm.save_torch_dist(self._sharded_state(is_loading=False), directory)
+        return directory
+
+    def load_state(self, directory: str | Path) -> None:
+        loaded = self.mm.load_torch_dist(self._sharded_state(is_loading=True), Path(directory))
+        for i, chunk in enumerate(self.model):
+            self.mm.unwrap(chunk).load_state_dict(loaded["model" if len(self.model) == 1 else f"model{i}"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(loaded["scheduler"])
+
+
+def _split(log_probs: list[Tensor], batches: list[_MicroBatch], samples: list[Sample]) -> list[Tensor]:
+    """Per-sample pieces of each micro-batch's flat log-probs, in micro-batch order."""
+    pieces = []
+    for flat, batch in zip(log_probs, batches):
+        pieces.extend(torch.split(flat, [samples[i].response_length for i in batch.indices]))
+    return pieces
+
+
+def _lr_scheduler(cfg: EngineConfig, optimizer):
+    """Megatron's own LR schedule (its state is part of the checkpoint), over the run's optimizer steps."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = cfg.train
+    total_steps = max(1, cfg.rollout.num_rollout * (cfg.samples_per_rollout // cfg.global_batch_size))
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=max(total_steps, t.lr_warmup_iters + 1),
+        lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
+        wd_incr_steps=total_steps, wd_incr_style="constant",
+    )

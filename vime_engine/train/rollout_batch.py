@@ -1,0 +1,87 @@
+"""One rollout's training tensors, shared by the training backends.
+
+A backend computes the rollout's old (and reference, value) per-token log-probs in its own way; from them this
+module builds the advantages and hands out `MicroBatchTargets` for any subset of samples, in the flat
+per-token layout the shared loss (`vime_engine.train.objective`) expects, plus the global-batch plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vime_engine.algorithms.advantages import AdvantageInputs, AdvantageResult, compute_advantages
+from vime_engine.algorithms.losses import kl_penalty
+from vime_engine.config import EngineConfig
+from vime_engine.sample import Sample
+from vime_engine.train.objective import MicroBatchTargets
+
+
+@dataclass
+class RolloutBatch:
+    """Flat per-token tensors of a rollout; sample i owns tokens offsets[i]:offsets[i+1]."""
+
+    lengths: list[int]
+    offsets: list[int]
+    loss_mask: Tensor
+    old_log_probs: Tensor
+    rollout_log_probs: Tensor
+    advantages: AdvantageResult
+    ref_log_probs: Tensor | None = None
+    old_values: Tensor | None = None
+
+    def token_index(self, indices: list[int]) -> Tensor:
+        device = self.loss_mask.device
+        return torch.cat([torch.arange(self.offsets[i], self.offsets[i + 1]) for i in indices]).to(device)
+
+    def targets(self, indices: list[int]) -> MicroBatchTargets:
+        idx = self.token_index(indices)
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return MicroBatchTargets(
+            response_lengths=[self.lengths[i] for i in indices], loss_mask=self.loss_mask[idx],
+            advantages=self.advantages.advantages[idx], old_log_probs=self.old_log_probs[idx],
+            rollout_log_probs=self.rollout_log_probs[idx], ref_log_probs=pick(self.ref_log_probs),
+            returns=pick(self.advantages.returns), old_values=pick(self.old_values),
+        )
+
+    def num_tokens(self, indices: list[int]) -> int:
+        """Loss-bearing tokens of these samples: the global denominator of a per-token loss."""
+        return int(sum(self.loss_mask[self.offsets[i]:self.offsets[i + 1]].sum().item() for i in indices))
+
+
+def build_rollout_batch(
+    cfg: EngineConfig,
+    samples: list[Sample],
+    old_log_probs: Tensor,
+    ref_log_probs: Tensor | None = None,
+    old_values: Tensor | None = None,
+) -> RolloutBatch:
+    """Advantages of the whole rollout (the configured estimator) and its flat target tensors."""
+    alg = cfg.algorithm
+    device = old_log_probs.device
+    lengths = [s.response_length for s in samples]
+    mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float32, device=device)
+    kl = kl_penalty(old_log_probs, ref_log_probs, "k1") if ref_log_probs is not None else torch.zeros_like(mask)
+    result = compute_advantages(
+        alg.advantage_estimator,
+        AdvantageInputs(
+            rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device),
+            response_lengths=lengths, loss_mask=mask, group_size=cfg.rollout.n_samples_per_prompt, kl=kl,
+            values=old_values,
+        ),
+        normalize_std=not alg.disable_grpo_std_normalization, kl_coef=alg.kl_coef, gamma=alg.gamma,
+        lam=alg.lambd, normalize_advantages=alg.normalize_advantages,
+    )
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    rollout_lp = torch.tensor([x for s in samples for x in s.rollout_log_probs], device=device)
+    return RolloutBatch(lengths, offsets, mask, old_log_probs, rollout_lp, result, ref_log_probs, old_values)
+
+
+def global_batches(num_samples: int, global_batch_size: int) -> list[list[int]]:
+    """Sample indices of each optimizer step, in rollout order."""
+    return [list(range(start, min(start + global_batch_size, num_samples)))
+            for start in range(0, num_samples, global_batch_size)]
