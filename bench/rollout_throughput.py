@@ -1,0 +1,119 @@
+"""Rollout throughput: our vLLM path (VLLMEngine, in-process) vs transformers `generate`, same model and sampling.
+
+Both sample the same tokenized prompts with the same settings (temperature, top-p 1, no top-k, n samples per
+prompt, max new tokens) in fp32 on the same threads. Tokens counted are generated tokens up to and including
+the first EOS (HF pads finished rows; those pads are not counted). Each side gets one warm-up call; the best
+of `--repeat` timed calls is kept.
+
+    .venv/bin/python bench/rollout_throughput.py                     # tiny + SmolLM2-135M
+    .venv/bin/python bench/rollout_throughput.py --models tiny-qwen3 --prompts 16 --n 8 --max-tokens 64
+
+Goal: vLLM / transformers >= 5x tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as in the actors
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QUESTIONS = [f"What is {a} + {b}? Answer with a number." for a, b in
+             [(3, 4), (12, 9), (7, 21), (5, 5), (18, 27), (40, 2), (9, 9), (33, 11), (6, 14), (25, 25),
+              (1, 99), (64, 36), (8, 16), (70, 7), (13, 31), (2, 2)]]
+
+
+def prompts_for(model_path: Path, count: int) -> tuple[list[list[int]], int | None]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in (QUESTIONS * (count // len(QUESTIONS) + 1))[:count]]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts], tok.eos_token_id
+
+
+def generated_tokens(rows: list[list[int]], eos: int | None) -> int:
+    total = 0
+    for row in rows:
+        total += row.index(eos) + 1 if eos is not None and eos in row else len(row)
+    return total
+
+
+def bench_vllm(model_path: Path, prompts, n: int, max_tokens: int, temperature: float, repeat: int) -> float:
+    from vime_engine.rollout.vllm_engine import EngineSettings, SamplingSettings, VLLMEngine
+
+    engine = VLLMEngine(EngineSettings(str(model_path), kv_cache_bytes=1 << 30))
+    sampling = SamplingSettings(max_tokens=max_tokens, temperature=temperature)
+    engine.generate(prompts[:2], n, sampling, seeds=[0, 1])  # warm-up
+    best = 0.0
+    for r in range(repeat):
+        start = time.perf_counter()
+        groups = engine.generate(prompts, n, sampling, seeds=[r * 1000 + i for i in range(len(prompts))])
+        seconds = time.perf_counter() - start
+        tokens = sum(len(c.token_ids) for g in groups for c in g)
+        best = max(best, tokens / seconds)
+    del engine
+    return best
+
+
+def bench_hf(model_path: Path, prompts, n: int, max_tokens: int, temperature: float, eos, repeat: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else eos
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])  # left padding for decoder-only
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+
+    def run(batch_ids, batch_mask):
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=batch_ids, attention_mask=batch_mask, do_sample=True, temperature=temperature, top_p=1.0,
+                top_k=0, num_return_sequences=n, max_new_tokens=max_tokens, pad_token_id=pad, eos_token_id=eos,
+            )
+        return out[:, batch_ids.shape[1]:].tolist()
+
+    run(ids[:2], mask[:2])  # warm-up
+    best = 0.0
+    for r in range(repeat):
+        torch.manual_seed(r)
+        start = time.perf_counter()
+        rows = run(ids, mask)
+        seconds = time.perf_counter() - start
+        best = max(best, generated_tokens(rows, eos) / seconds)
+    return best
+
+
+def main() -> None:
+    from vime_engine.models.builtin import materialize_builtin_model
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["tiny-qwen3", "smollm2-135m-instruct"])
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/vf_bench"))
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+
+    import torch
+
+    print(f"torch threads: {torch.get_num_threads()}; {args.prompts} prompts x {args.n} samples, "
+          f"<= {args.max_tokens} new tokens, T={args.temperature}, fp32")
+    for name in args.models:
+        path = materialize_builtin_model(name, args.cache / name)
+        prompts, eos = prompts_for(path, args.prompts)
+        hf = bench_hf(path, prompts, args.n, args.max_tokens, args.temperature, eos, args.repeat)
+        ours = bench_vllm(path, prompts, args.n, args.max_tokens, args.temperature, args.repeat)
+        print(f"{name:24s} vLLM {ours:9.0f} tok/s   transformers {hf:8.0f} tok/s   ratio {ours / hf:6.1f}x "
+              f"(goal >= 5x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
