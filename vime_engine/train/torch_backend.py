@@ -14,18 +14,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from vime_engine.algorithms.advantages import AdvantageInputs, compute_advantages
-from vime_engine.algorithms.losses import kl_penalty
 from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
 from vime_engine.config import EngineConfig
 from vime_engine.sample import Sample
-from vime_engine.train.objective import (
-    MicroBatchOutputs,
-    MicroBatchTargets,
-    micro_batch_loss,
-    needs_reference,
-    response_log_probs,
-)
+from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference, response_log_probs
+from vime_engine.train.rollout_batch import RolloutBatch, build_rollout_batch, global_batches
 
 
 class ValueHead(nn.Module):
@@ -117,51 +110,23 @@ class TorchTrainBackend:
     # -- one rollout's training ---------------------------------------------------------------------------------
     def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
         """Advantages for the whole rollout, then one optimizer step per global batch; averaged metrics."""
-        cfg, alg = self.cfg, self.cfg.algorithm
-        lengths = [s.response_length for s in samples]
-        mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float32, device=self.device)
         old_lp = self.log_probs(samples)
         ref_lp = None
         if self.ref_model is not None:
             ref_lp = self._batched(lambda mb: self._forward(self.ref_model, mb, with_logits=False)[0], samples)
         old_values = self._batched(self._values, samples) if self.critic is not None else None
-        result = compute_advantages(
-            alg.advantage_estimator,
-            AdvantageInputs(
-                rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32, device=self.device),
-                response_lengths=lengths, loss_mask=mask, group_size=cfg.rollout.n_samples_per_prompt,
-                kl=kl_penalty(old_lp, ref_lp, "k1") if ref_lp is not None else torch.zeros_like(old_lp),
-                values=old_values,
-            ),
-            normalize_std=not alg.disable_grpo_std_normalization, kl_coef=alg.kl_coef, gamma=alg.gamma,
-            lam=alg.lambd, normalize_advantages=alg.normalize_advantages,
-        )
-        rollout_lp = torch.tensor([x for s in samples for x in s.rollout_log_probs], device=self.device)
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
-
-        def targets(indices: list[int]) -> MicroBatchTargets:
-            idx = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in indices]).to(self.device)
-            pick = lambda t: None if t is None else t[idx]  # noqa: E731
-            return MicroBatchTargets(
-                response_lengths=[lengths[i] for i in indices], loss_mask=mask[idx],
-                advantages=result.advantages[idx], old_log_probs=old_lp[idx], rollout_log_probs=rollout_lp[idx],
-                ref_log_probs=pick(ref_lp), returns=pick(result.returns), old_values=pick(old_values),
-            )
-
+        rollout = build_rollout_batch(self.cfg, samples, old_lp, ref_lp, old_values)
+        steps = global_batches(len(samples), self.cfg.global_batch_size)
         totals: dict[str, float] = {}
-        gbs = cfg.global_batch_size
-        steps = [list(range(start, start + gbs)) for start in range(0, len(samples), gbs)]
         for step in steps:
-            step_metrics = self._optimizer_step([samples[i] for i in step], step, targets, mask, offsets)
-            for key, value in step_metrics.items():
+            for key, value in self._optimizer_step(samples, step, rollout).items():
                 totals[key] = totals.get(key, 0.0) + value / len(steps)
         totals["train/lr"] = self.scheduler.get_last_lr()[0]
         return totals
 
-    def _optimizer_step(self, step_samples, step_indices, targets, mask, offsets) -> dict[str, float]:
-        global_tokens = int(sum(mask[offsets[i]:offsets[i + 1]].sum().item() for i in step_indices))
+    def _optimizer_step(self, samples: list[Sample], step: list[int], rollout: RolloutBatch) -> dict[str, float]:
+        step_samples = [samples[i] for i in step]
+        global_tokens, global_samples = max(rollout.num_tokens(step), 1), len(step)
         metrics: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for mb in self._micro_batches(step_samples):
@@ -169,8 +134,8 @@ class TorchTrainBackend:
             log_probs, logits = self._forward(self.model, mb_samples, with_logits=True)
             values = self._values(mb_samples) if self.critic is not None else None
             loss, mb_metrics = micro_batch_loss(
-                self.cfg, MicroBatchOutputs(log_probs, logits, values), targets([step_indices[i] for i in mb]),
-                global_num_tokens=max(global_tokens, 1), global_num_samples=len(step_samples),
+                self.cfg, MicroBatchOutputs(log_probs, logits, values), rollout.targets([step[i] for i in mb]),
+                global_tokens, global_samples,
             )
             loss.backward()
             for key, value in mb_metrics.items():
