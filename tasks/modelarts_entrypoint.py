@@ -1,0 +1,299 @@
+"""`vimeflow modelarts-entrypoint`: one training chunk inside a ModelArts training-job container.
+
+The submitter (tasks/submit_modelarts.py) writes a `ChunkSpec` to the run's OBS prefix and creates a job whose
+command is `vimeflow modelarts-entrypoint --spec obs://…/modelarts/chunk-NNNNNNN.json`. Every task (node) of
+the job runs that command with ModelArts' environment (`VC_TASK_INDEX`, `VC_WORKER_HOSTS`, `MA_NUM_HOSTS`):
+
+  task 0 (head)   fetch model and data (sha256-verified), replace the local checkpoint directory by the newest
+                  checkpoint committed to OBS, start the Ray head when the job has several nodes, run the chunk
+                  (`tasks.chunk_runner.run_job` → `run_chunk`), commit each checkpoint to OBS as soon as the
+                  engine writes it (manifest last), write the chunk's result object, exit.
+  task i > 0      join the head's Ray cluster and stay until the head goes away; exit 0 when the chunk's result
+                  is in OBS, else EXIT_INFRASTRUCTURE.
+
+OBS is the only state that outlives a container: a job lost mid-way (ModelArts reports Abnormal) is replaced by a
+new job that resumes from the newest committed checkpoint, which holds everything the engine needs to continue
+bit-identically (weights, optimizer, RNG, data cursor). Local paths are stable per run (`--work-dir` /
+`VIMEFLOW_WORK_DIR` + run name) because the engine resumes only under the same --hf-checkpoint and --prompt-data.
+
+Exit codes (what the submitter reads from task 0's `exit_code`): 0 done; 75 preempted after a committed
+checkpoint; 3 infrastructure (Ray, storage 5xx): retry; 2 configuration and 1 code errors: fail.
+No Prefect here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tasks.chunk_runner import EXIT_CODE_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, RESULT_FILE, run_job
+from tasks.run_layout import DatasetRef, EngineJob, RunLayout, localize
+from tasks.storage import Storage, dir_prefix, join_key, open_storage
+from tasks.storage_errors import StorageError, TransientStorageError
+from vime_engine import checkpoint as ckpt
+from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE
+
+# Task 0's exit codes after which a new job from the newest committed checkpoint may succeed.
+RETRYABLE_EXIT_CODES = frozenset({PREEMPTED_EXIT_CODE, EXIT_INFRASTRUCTURE})
+RAY_PORT = 6379
+DEFAULT_WORK_DIR = "/cache/vimeflow"  # ModelArts' local SSD
+_COMMITTED_RE = re.compile(r"(?:^|/)rollout_(\d{7})/manifest\.json$")
+
+
+def say(message: str) -> None:
+    """One line to the job log (ModelArts' log preview is the submitter's only window into the container)."""
+    print(f"[vimeflow] {message}", flush=True)
+
+
+# ---------------------------------------------------------------- the submitter ↔ entrypoint contract
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """What one job trains: rollouts start … start+count-1 of `job`, with the run at `storage_root`."""
+
+    storage_root: str
+    run_name: str
+    start: int
+    count: int
+    job: EngineJob
+
+    @property
+    def run_prefix(self) -> str:
+        return f"runs/{self.run_name}"
+
+    @property
+    def spec_key(self) -> str:
+        return join_key(self.run_prefix, "modelarts", f"chunk-{self.start:07d}.json")
+
+    @property
+    def result_key(self) -> str:
+        return join_key(self.run_prefix, "modelarts", f"chunk-{self.start:07d}-result.json")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ChunkSpec:
+        data = json.loads(text)
+        job = dict(data["job"])
+        job["train_data"] = DatasetRef(**job["train_data"])
+        job["eval_data"] = [DatasetRef(**d) for d in job.get("eval_data", [])]
+        return cls(data["storage_root"], data["run_name"], int(data["start"]), int(data["count"]), EngineJob(**job))
+
+
+def checkpoint_key(run_prefix: str, rollout_id: int) -> str:
+    """Where the checkpoint of `rollout_id` is committed (the same place train_chunk commits to)."""
+    return join_key(run_prefix, "checkpoints", ckpt.checkpoint_dir(Path("."), rollout_id).name)
+
+
+def read_uri(uri: str) -> bytes:
+    parent, _, name = uri.rstrip("/").rpartition("/")
+    return open_storage(parent).get_bytes(name)
+
+
+# ---------------------------------------------------------------- ModelArts' environment
+
+
+@dataclass(frozen=True)
+class ClusterEnv:
+    task_index: int
+    hosts: list[str]
+
+    @property
+    def is_head(self) -> bool:
+        return self.task_index == 0
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.hosts) > 1
+
+    @property
+    def head_address(self) -> str:
+        return f"{self.hosts[0]}:{RAY_PORT}"
+
+
+def parse_cluster_env(environ: dict[str, str]) -> ClusterEnv:
+    """Task index and node addresses from ModelArts' variables.
+
+    `VC_WORKER_HOSTS` lists the nodes (comma-separated, task 0 first); without it, `MA_NUM_HOSTS` must be 1 and
+    the node is `MA_CURRENT_IP` (or loopback). A mismatch between the two is refused rather than guessed.
+    """
+    index = int(environ.get("VC_TASK_INDEX", "0"))
+    hosts = [h for h in environ.get("VC_WORKER_HOSTS", "").split(",") if h]
+    num_hosts = int(environ.get("MA_NUM_HOSTS", str(len(hosts) or 1)))
+    if not hosts:
+        if num_hosts != 1:
+            raise ValueError(f"MA_NUM_HOSTS={num_hosts} but VC_WORKER_HOSTS is not set")
+        hosts = [environ.get("MA_CURRENT_IP", "127.0.0.1")]
+    if len(hosts) != num_hosts or not 0 <= index < num_hosts:
+        raise ValueError(f"VC_WORKER_HOSTS has {len(hosts)} hosts, MA_NUM_HOSTS={num_hosts}, VC_TASK_INDEX={index}")
+    return ClusterEnv(index, hosts)
+
+
+def _ray(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ray.scripts.scripts", *args]
+
+
+def start_ray_head(cluster: ClusterEnv) -> str:
+    """`ray start --head` on this node; the other tasks join it. Auth: the RAY_AUTH_* variables of the job."""
+    subprocess.run(_ray("start", "--head", f"--node-ip-address={cluster.hosts[0]}", f"--port={RAY_PORT}",
+                        "--include-dashboard=false", "--disable-usage-stats"), check=True)
+    return cluster.head_address
+
+
+def join_ray_head(cluster: ClusterEnv, spec: ChunkSpec, poll_s: float = 5.0) -> int:
+    """A worker node: join the head (retrying while it starts), stay until it leaves, report the chunk."""
+    me = cluster.hosts[cluster.task_index]
+    for _ in range(60):
+        joined = subprocess.run(_ray("start", f"--address={cluster.head_address}", f"--node-ip-address={me}",
+                                     "--disable-usage-stats"), check=False)
+        if joined.returncode == 0:
+            break
+        time.sleep(poll_s)
+    else:
+        say(f"could not join the Ray head at {cluster.head_address}")
+        return EXIT_INFRASTRUCTURE
+    root = open_storage(spec.storage_root)
+    while subprocess.run(_ray("status", f"--address={cluster.head_address}"), check=False,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0:
+        time.sleep(poll_s)
+    subprocess.run(_ray("stop"), check=False)
+    return EXIT_OK if root.exists(spec.result_key) else EXIT_INFRASTRUCTURE
+
+
+# ---------------------------------------------------------------- checkpoints between the container and OBS
+
+
+def committed_rollouts(root: Storage, run_prefix: str) -> list[int]:
+    """Rollout ids whose checkpoint is committed (its storage manifest exists), ascending."""
+    keys = (o.key for o in root.list(dir_prefix(join_key(run_prefix, "checkpoints"))))
+    return sorted({int(m.group(1)) for k in keys if (m := _COMMITTED_RE.search(k))})
+
+
+def restore_latest(root: Storage, run_prefix: str, save_dir: Path, upto: int) -> int | None:
+    """Make `save_dir` hold exactly the newest committed checkpoint ≤ `upto` (none: empty); its rollout id.
+
+    Whatever a previous container on this disk left locally is discarded: only what reached OBS counts."""
+    shutil.rmtree(save_dir, ignore_errors=True)
+    save_dir.mkdir(parents=True)
+    ids = [i for i in committed_rollouts(root, run_prefix) if i <= upto]
+    if not ids:
+        return None
+    target = ckpt.checkpoint_dir(save_dir, ids[-1])
+    root.fetch_tree(checkpoint_key(run_prefix, ids[-1]), target)
+    (save_dir / ckpt.LATEST).write_text(target.name)
+    return ids[-1]
+
+
+class CheckpointCommitter:
+    """Commits every checkpoint the engine writes under `save_dir` to OBS while the chunk runs.
+
+    It follows LATEST (moved by the engine only after a checkpoint's manifest is on disk), so it never uploads a
+    checkpoint being written. A commit that fails (e.g. the engine pruned the directory meanwhile) is logged and
+    left to the next one; `commit_newest` at the end is the one that must succeed."""
+
+    def __init__(self, root: Storage, run_prefix: str, save_dir: Path, poll_s: float = 0.5):
+        self.root, self.run_prefix, self.save_dir, self.poll_s = root, run_prefix, save_dir, poll_s
+        self.committed: dict[int, str] = {}  # rollout id → storage manifest hash
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="checkpoint-committer", daemon=True)
+
+    def __enter__(self) -> CheckpointCommitter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.commit_newest()
+            except (StorageError, ckpt.CheckpointError, OSError) as exc:
+                say(f"checkpoint commit deferred: {exc}")
+
+    def commit_newest(self) -> int | None:
+        found = ckpt.find_latest(self.save_dir)
+        if found is None or found.rollout_id in self.committed:
+            return None if found is None else found.rollout_id
+        key = checkpoint_key(self.run_prefix, found.rollout_id)
+        manifest = self.root.commit_tree(found.path, key, meta={
+            "rollout_id": found.rollout_id, "engine_manifest_sha256": found.manifest_hash})
+        self.committed[found.rollout_id] = manifest.hash
+        say(f"committed rollout_{found.rollout_id:07d} to {self.root.uri(key)}")
+        return found.rollout_id
+
+
+# ---------------------------------------------------------------- the head's work
+
+
+def run_head(spec: ChunkSpec, cluster: ClusterEnv, work_base: Path) -> int:
+    root = open_storage(spec.storage_root)
+    layout = RunLayout(spec.storage_root, spec.run_name, str(work_base / spec.run_name))
+    end = spec.start + spec.count
+    say(f"chunk {spec.start}..{end - 1} of run {spec.run_name} on {len(cluster.hosts)} node(s)")
+    flags = localize(spec.job, layout)  # model, data, eval sets: fetched and sha256-verified
+    save_dir = Path(flags["save"])
+    resumed = restore_latest(root, spec.run_prefix, save_dir, upto=end - 1)
+    say("starting from the initial model" if resumed is None else
+        f"resuming from committed checkpoint rollout {resumed}")
+    if cluster.multi_node:
+        flags["ray-address"] = start_ray_head(cluster)
+    job_dir = Path(layout.work_dir) / "jobs" / f"chunk-{spec.start:07d}"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / "job.json").write_text(json.dumps(
+        {"mode": "train", "flags": flags, "start": spec.start, "count": spec.count}, default=str))
+    try:
+        with CheckpointCommitter(root, spec.run_prefix, save_dir) as committer:
+            code = run_job(job_dir / "job.json")
+        result = json.loads((job_dir / RESULT_FILE).read_text())
+        if code not in (EXIT_OK, PREEMPTED_EXIT_CODE):
+            error = result.get("error", {})
+            say(f"engine exit {code} ({error.get('kind')}): {error.get('traceback') or error.get('message')}")
+            return code
+        committer.commit_newest()  # the end checkpoint, or the one written before leaving on preemption
+        if code == PREEMPTED_EXIT_CODE:
+            say("preempted: the newest checkpoint is committed; a new job continues from it")
+            return code
+        value = result["value"]
+        last = int(value["last_rollout"])
+        root.put_bytes(spec.result_key, json.dumps({
+            **value, "resumed_from": resumed, "engine_seconds": result["engine_seconds"],
+            "checkpoint_uri": root.uri(checkpoint_key(spec.run_prefix, last)),
+            "storage_manifest_sha256": committer.committed[last]}, default=str).encode())
+        say(f"chunk done: rollouts {spec.start}..{last} committed")
+        return EXIT_OK
+    except TransientStorageError as exc:
+        say(f"storage unavailable: {exc}")
+        return EXIT_INFRASTRUCTURE
+    finally:
+        if cluster.multi_node:
+            subprocess.run(_ray("stop"), check=False)
+
+
+def main(spec_uri: str, work_dir: str | None = None, environ: dict[str, str] | None = None) -> int:
+    """The entrypoint: read the spec and ModelArts' environment, run this task's part, return the exit code."""
+    environ = dict(os.environ if environ is None else environ)
+    try:
+        spec = ChunkSpec.from_json(read_uri(spec_uri).decode())
+        cluster = parse_cluster_env(environ)
+    except TransientStorageError as exc:
+        say(f"storage unavailable: {exc}")
+        return EXIT_INFRASTRUCTURE
+    except (StorageError, ValueError, KeyError, TypeError) as exc:
+        say(f"cannot start: {type(exc).__name__}: {exc}")
+        return EXIT_CODE_ERROR
+    if not cluster.is_head:
+        return join_ray_head(cluster, spec)
+    work_base = Path(work_dir or environ.get("VIMEFLOW_WORK_DIR") or DEFAULT_WORK_DIR)
+    return run_head(spec, cluster, work_base)
