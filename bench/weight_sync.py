@@ -79,7 +79,7 @@ def main() -> None:
             for path_name in args.paths:
                 cfg = build_config([], **{
                     "hf-checkpoint": str(path), "prompt-data": str(data), "input-key": "question",
-                    "label-key": "answer", "vllm-kv-cache-gb": 0.25, "colocate": path_name == "in-process",
+                    "label-key": "answer", "vllm-kv-cache-gb": 0.5, "colocate": path_name == "in-process",
                     "output-dir": str(args.cache / "run"),
                 })
                 rows[path_name] = measure(cfg, "broadcast" if path_name == "broadcast" else path_name, args.repeat)
