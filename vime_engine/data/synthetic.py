@@ -3,6 +3,9 @@
 - `arithmetic`: one- and two-digit additions and subtractions as gsm8k-shaped word problems
   (`question`, `answer` = a one-line worked solution and a final `#### N` line). Small models
   can learn these, which is what the CPU demo needs.
+- `arithmetic-demo` / `arithmetic-demo-eval`: every one-digit sum and difference ("What is 7 + 5?"),
+  split by operand pair into a training set and a held-out evaluation set. SmolLM2-135M-Instruct gets
+  about a third of these right when sampled, so GRPO groups have reward variance from the first rollout.
 - `aime-synthetic`: AIME-shaped rows (`prompt`, `label`): problems from templates whose integer
   answer (0-999) is computed, with the instruction to box the final answer.
 """
@@ -19,6 +22,7 @@ from pathlib import Path
 
 ARITHMETIC_ROWS = 2000
 AIME_ROWS = 30
+DEMO_EVAL_PAIRS = 11  # unordered operand pairs held out of `arithmetic-demo` for `arithmetic-demo-eval`
 _SEED = 20241129
 
 BOX_INSTRUCTION = "The answer is an integer from 0 to 999. Put your final answer within \\boxed{}."
@@ -138,14 +142,48 @@ def aime_synthetic_rows() -> list[Row]:
     return [_aime_row(i, rng) for i in range(AIME_ROWS)]
 
 
+def _demo_pair_rows(a: int, b: int) -> list[Row]:
+    """The problems on one unordered operand pair a <= b: a + b, b + a (when distinct) and b - a."""
+    orders = [(a, b)] if a == b else [(a, b), (b, a)]
+    rows = [{"question": f"What is {x} + {y}?", "answer": f"{x} + {y} = {x + y}.\n#### {x + y}"} for x, y in orders]
+    rows.append({"question": f"What is {b} - {a}?", "answer": f"{b} - {a} = {b - a}.\n#### {b - a}"})
+    return rows
+
+
+def _demo_split() -> tuple[list[Row], list[Row]]:
+    """(train, held-out) rows over all one-digit operand pairs 1 <= a <= b <= 9.
+
+    The pairs are shuffled with the fixed seed and the first `DEMO_EVAL_PAIRS` are held out, so no
+    evaluation problem, nor its commuted sum or its difference, appears in training. Each side keeps
+    the shuffled pair order, so neither file is sorted by difficulty.
+    """
+    pairs = [(a, b) for a in range(1, 10) for b in range(a, 10)]
+    random.Random(_SEED).shuffle(pairs)
+    held_out = [row for pair in pairs[:DEMO_EVAL_PAIRS] for row in _demo_pair_rows(*pair)]
+    train = [row for pair in pairs[DEMO_EVAL_PAIRS:] for row in _demo_pair_rows(*pair)]
+    return train, held_out
+
+
+def arithmetic_demo_rows() -> list[Row]:
+    return _demo_split()[0]
+
+
+def arithmetic_demo_eval_rows() -> list[Row]:
+    return _demo_split()[1]
+
+
 _BUILDERS: dict[str, Callable[[], list[Row]]] = {
     "arithmetic": arithmetic_rows,
     "aime-synthetic": aime_synthetic_rows,
+    "arithmetic-demo": arithmetic_demo_rows,
+    "arithmetic-demo-eval": arithmetic_demo_eval_rows,
 }
 
 BUILTIN_DATASETS: dict[str, str] = {
     "arithmetic": f"{ARITHMETIC_ROWS} one/two-digit addition and subtraction word problems, gsm8k shape (question, answer '#### N')",
     "aime-synthetic": f"{AIME_ROWS} AIME-shaped problems with computed integer answers 0-999 (prompt, label), answer in \\boxed{{}}",
+    "arithmetic-demo": "one-digit sums and differences ('What is 7 + 5?'), gsm8k shape: training split for the CPU demo",
+    "arithmetic-demo-eval": f"the {DEMO_EVAL_PAIRS} operand pairs held out of arithmetic-demo, same shape: its evaluation split",
 }
 
 
