@@ -154,5 +154,6 @@ def publish(job: EngineJob, layout: RunLayout, publish_prefix: str, chunks: list
                           key=f"{akey}-metrics", description="metrics per rollout (−1: before training)")
     for name, target in (("report", report_uri), ("checkpoint", chunks[-1].checkpoint_uri),
                          ("hf-export", root.uri(join_key(key, "hf")))):
-        create_link_artifact(target, link_text=target, key=f"{akey}-{name}", description=f"published {name}")
+        create_link_artifact(target, link_text=target, key=f"{akey}-link-{name}",
+                             description=f"published {name}")
     return PublishOutcome(root.uri(key), report_uri, str(out), summary)

@@ -16,7 +16,8 @@ def _published(run: DeployedRun):
 
 
 def test_every_stage_ran_and_the_published_report_is_consistent(prefect_api: PrefectAPI, deployed_run: DeployedRun):
-    assert deployed_run.flow_run["state"]["type"] == "COMPLETED", deployed_run.flow_run["state"]
+    state = deployed_run.flow_run["state"]
+    assert state["type"] == "COMPLETED", state["message"]
     tasks = task_runs_of(prefect_api, deployed_run.flow_run["id"])
     names = {t["task_key"].split("-")[0] for t in tasks}
     assert STAGES <= names, names
@@ -51,9 +52,12 @@ def test_every_stage_ran_and_the_published_report_is_consistent(prefect_api: Pre
     artifacts = prefect_api.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [
         deployed_run.flow_run["id"]]}}}).json()
     kinds = {a["type"] for a in artifacts}
-    assert {"markdown", "table", "link", "progress"} <= kinds, kinds
-    [progress] = [a for a in artifacts if a["type"] == "progress"][-1:]
-    assert progress["data"] == 100.0
+    assert {"markdown", "table", "progress"} <= kinds, kinds
+    links = {a["key"].rsplit("-link-", 1)[1]: a["data"] for a in artifacts if a["key"] and "-link-" in a["key"]}
+    assert set(links) == {"report", "checkpoint", "hf-export"} and lineage["chunks"][-1]["checkpoint"] in links["checkpoint"]
+    assert any(a["type"] == "markdown" and a["data"] == report for a in artifacts)
+    progress = sorted(a["data"] for a in artifacts if a["type"] == "progress")
+    assert progress == [50.0, 100.0]  # one per chunk: chunk 1 ends half way, chunk 2 at the end
 
 
 def test_parameters_round_trip(prefect_api: PrefectAPI, deployed_run: DeployedRun):

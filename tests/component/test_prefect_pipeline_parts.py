@@ -1,0 +1,77 @@
+"""Pipeline parts without the engine's heavy path: parameters, chunk ranges, exit classification through a
+real child process, Prefect's retry decision on it, and the regression diff."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.params import PipelineParams
+from flows.rl_pipeline import chunk_ranges
+from tasks.engine_process import (
+    EngineCodeFailure, EngineConfigFailure, InfrastructureFailure, is_infrastructure_failure, run_engine_job,
+)
+from tasks.regression import Band, Baseline, compare, render_diff
+
+
+def test_chunk_ranges_cover_the_run_once():
+    assert chunk_ranges(4, 2) == [(0, 2), (2, 2)]
+    assert chunk_ranges(5, 2) == [(0, 2), (2, 2), (4, 1)]
+    assert chunk_ranges(3, 8) == [(0, 3)]
+
+
+def test_parameters_reject_pipeline_managed_and_invalid_engine_flags():
+    with pytest.raises(ValueError, match="--save are set by the pipeline"):
+        PipelineParams.model_validate({"engine": {"flags": {"save": "/x"}}})
+    with pytest.raises(ValueError, match="did you mean --rollout-batch-size"):
+        PipelineParams.model_validate({"engine": {"flags": {"rollout-batch-sise": 4}}})
+    assert PipelineParams().model.source == "builtin://smollm2-135m-instruct"
+
+
+def test_engine_config_error_comes_back_with_the_engines_message(tmp_path):
+    flags = {"hf-checkpoint": "m", "prompt-data": "d", "save": str(tmp_path), "n-samples-per-prompt": 1}
+    with pytest.raises(EngineConfigFailure, match="set --n-samples-per-prompt to 2 or more"):
+        run_engine_job({"mode": "train", "flags": flags, "start": 0, "count": 1}, tmp_path / "job")
+
+
+def test_engine_code_error_comes_back_with_its_traceback(tmp_path):
+    flags = {"hf-checkpoint": str(tmp_path / "none"), "prompt-data": str(tmp_path / "none.jsonl"),
+             "save": str(tmp_path / "ckpt"), "num-rollout": 1}
+    with pytest.raises(EngineCodeFailure, match="Traceback"):
+        run_engine_job({"mode": "train", "flags": flags, "start": 0, "count": 1}, tmp_path / "job")
+
+
+def test_prefect_retries_infrastructure_failures_only():
+    from prefect import flow, task
+    from prefect.testing.utilities import prefect_test_harness
+
+    attempts = {"infra": 0, "config": 0}
+
+    @task(retries=3, retry_delay_seconds=0, retry_condition_fn=is_infrastructure_failure)
+    def flaky(kind: str) -> str:
+        attempts[kind] += 1
+        if kind == "infra" and attempts[kind] < 3:
+            raise InfrastructureFailure("engine exit 75: preempted after rollout 1")
+        if kind == "config":
+            raise EngineConfigFailure("--lr -1: must be > 0")
+        return "done"
+
+    @flow
+    def both() -> tuple:
+        return flaky("infra"), flaky("config", return_state=True)
+
+    with prefect_test_harness():
+        value, config_state = both()
+    assert value == "done" and attempts["infra"] == 3
+    assert config_state.is_failed() and attempts["config"] == 1
+
+
+def test_regression_diff_names_what_left_its_band():
+    baseline = Baseline(bands=[Band(metric="reward_last", baseline=0.5, below=0.1),
+                               Band(metric="logprob_diff_last", baseline=0.0, above=1e-5),
+                               Band(metric="eval/aime final", baseline=0.2, below=0.1, above=0.1)])
+    results = compare({"reward_last": 0.3, "logprob_diff_last": 2e-7}, baseline)
+    assert [r.passed for r in results] == [False, True, False]
+    diff = render_diff(results)
+    assert diff.startswith("**2 of 3 metric(s) outside their band**")
+    assert "| ❌ | reward_last | 0.3 | 0.5 | [0.4, 0.5] | -0.1 under |" in diff
+    assert "| ❌ | eval/aime final | — | 0.2 | [0.1, 0.3] | missing |" in diff
