@@ -1,6 +1,7 @@
 """modelarts-training: the rl-pipeline DAG with each training chunk run as a Huawei Cloud ModelArts job.
 
-    check_image ─> stage_model ‖ stage_data ─> convert_checkpoint ─> submit_modelarts × N ─> evaluate ─> publish
+    check_image ─> stage_model ‖ stage_data ─> convert_checkpoint ─> submit_modelarts × N ─> evaluate
+                                                                                        ─> publish
 
 The storage root is on OBS: the jobs fetch the staged model and data from it and commit their checkpoints to it.
 A job ModelArts loses (Abnormal / Lost / Unknown) is retried as a new job that resumes from the newest committed

@@ -46,6 +46,7 @@ RETRYABLE_EXIT_CODES = frozenset({PREEMPTED_EXIT_CODE, EXIT_INFRASTRUCTURE})
 RAY_PORT = 6379
 DEFAULT_WORK_DIR = "/cache/vimeflow"  # ModelArts' local SSD
 _COMMITTED_RE = re.compile(r"(?:^|/)rollout_(\d{7})/manifest\.json$")
+_CHECKPOINT_DIR_RE = re.compile(r"rollout_(\d{7})")
 
 
 def say(message: str) -> None:
@@ -179,8 +180,9 @@ def committed_rollouts(root: Storage, run_prefix: str) -> list[int]:
     return sorted({int(m.group(1)) for k in keys if (m := _COMMITTED_RE.search(k))})
 
 
-def restore_latest(root: Storage, run_prefix: str, save_dir: Path, upto: int) -> int | None:
-    """Make `save_dir` hold exactly the newest committed checkpoint ≤ `upto` (none: empty); its rollout id.
+def restore_latest(root: Storage, run_prefix: str, save_dir: Path, upto: int) -> tuple[int, str] | None:
+    """Make `save_dir` hold exactly the newest committed checkpoint ≤ `upto` (none: empty); its rollout id and
+    storage manifest hash.
 
     Whatever a previous container on this disk left locally is discarded: only what reached OBS counts."""
     shutil.rmtree(save_dir, ignore_errors=True)
@@ -189,22 +191,25 @@ def restore_latest(root: Storage, run_prefix: str, save_dir: Path, upto: int) ->
     if not ids:
         return None
     target = ckpt.checkpoint_dir(save_dir, ids[-1])
-    root.fetch_tree(checkpoint_key(run_prefix, ids[-1]), target)
+    manifest = root.fetch_tree(checkpoint_key(run_prefix, ids[-1]), target)
     (save_dir / ckpt.LATEST).write_text(target.name)
-    return ids[-1]
+    return ids[-1], manifest.hash
 
 
 class CheckpointCommitter:
-    """Commits every checkpoint the engine writes under `save_dir` to OBS while the chunk runs.
+    """Commits every checkpoint the engine writes under `save_dir` to OBS, oldest first, while the chunk runs.
 
-    It follows LATEST (moved by the engine only after a checkpoint's manifest is on disk), so it never uploads a
-    checkpoint being written. A commit that fails (e.g. the engine pruned the directory meanwhile) is logged and
-    left to the next one; `commit_newest` at the end is the one that must succeed."""
+    A `rollout_NNNNNNN` directory appears only after its manifest is complete (the engine renames a finished
+    staging directory into place), so a checkpoint being written is never uploaded; rollouts can finish faster
+    than an upload, so it commits every directory not yet committed rather than only the one LATEST names. A
+    commit that fails is logged and tried again on the next round; `commit_pending` at the end must succeed."""
 
-    def __init__(self, root: Storage, run_prefix: str, save_dir: Path, poll_s: float = 0.5):
+    def __init__(self, root: Storage, run_prefix: str, save_dir: Path, committed: dict[int, str],
+                 poll_s: float = 0.5):
         self.root, self.run_prefix, self.save_dir, self.poll_s = root, run_prefix, save_dir, poll_s
-        self.committed: dict[int, str] = {}  # rollout id → storage manifest hash
+        self.committed = dict(committed)  # rollout id → storage manifest hash
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the final commit_pending must not race the follower's
         self._thread = threading.Thread(target=self._follow, name="checkpoint-committer", daemon=True)
 
     def __enter__(self) -> CheckpointCommitter:
@@ -218,20 +223,24 @@ class CheckpointCommitter:
     def _follow(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
-                self.commit_newest()
+                self.commit_pending()
             except (StorageError, ckpt.CheckpointError, OSError) as exc:
                 say(f"checkpoint commit deferred: {exc}")
 
-    def commit_newest(self) -> int | None:
-        found = ckpt.find_latest(self.save_dir)
-        if found is None or found.rollout_id in self.committed:
-            return None if found is None else found.rollout_id
+    def commit_pending(self) -> None:
+        with self._lock:
+            ids = sorted(int(m.group(1)) for p in self.save_dir.glob("rollout_*")
+                         if (m := _CHECKPOINT_DIR_RE.fullmatch(p.name)))
+            for rollout_id in ids:
+                if rollout_id not in self.committed:
+                    self._commit(ckpt.validate(ckpt.checkpoint_dir(self.save_dir, rollout_id)))
+
+    def _commit(self, found: ckpt.CheckpointRef) -> None:
         key = checkpoint_key(self.run_prefix, found.rollout_id)
         manifest = self.root.commit_tree(found.path, key, meta={
             "rollout_id": found.rollout_id, "engine_manifest_sha256": found.manifest_hash})
         self.committed[found.rollout_id] = manifest.hash
         say(f"committed rollout_{found.rollout_id:07d} to {self.root.uri(key)}")
-        return found.rollout_id
 
 
 # ---------------------------------------------------------------- the head's work
@@ -244,8 +253,10 @@ def run_head(spec: ChunkSpec, cluster: ClusterEnv, work_base: Path) -> int:
     say(f"chunk {spec.start}..{end - 1} of run {spec.run_name} on {len(cluster.hosts)} node(s)")
     flags = localize(spec.job, layout)  # model, data, eval sets: fetched and sha256-verified
     save_dir = Path(flags["save"])
-    resumed = restore_latest(root, spec.run_prefix, save_dir, upto=end - 1)
-    say("starting from the initial model" if resumed is None else
+    restored = restore_latest(root, spec.run_prefix, save_dir, upto=end - 1)
+    resumed = restored[0] if restored else None
+    committed = dict([restored]) if restored else {}
+    say("starting from the initial model" if restored is None else
         f"resuming from committed checkpoint rollout {resumed}")
     if cluster.multi_node:
         flags["ray-address"] = start_ray_head(cluster)
@@ -254,16 +265,16 @@ def run_head(spec: ChunkSpec, cluster: ClusterEnv, work_base: Path) -> int:
     (job_dir / "job.json").write_text(json.dumps(
         {"mode": "train", "flags": flags, "start": spec.start, "count": spec.count}, default=str))
     try:
-        with CheckpointCommitter(root, spec.run_prefix, save_dir) as committer:
+        with CheckpointCommitter(root, spec.run_prefix, save_dir, committed) as committer:
             code = run_job(job_dir / "job.json")
         result = json.loads((job_dir / RESULT_FILE).read_text())
-        if code not in (EXIT_OK, PREEMPTED_EXIT_CODE):
-            error = result.get("error", {})
-            say(f"engine exit {code} ({error.get('kind')}): {error.get('traceback') or error.get('message')}")
-            return code
-        committer.commit_newest()  # the end checkpoint, or the one written before leaving on preemption
+        committer.commit_pending()  # the end checkpoint, or whatever was written before the engine left
         if code == PREEMPTED_EXIT_CODE:
             say("preempted: the newest checkpoint is committed; a new job continues from it")
+            return code
+        if code != EXIT_OK:
+            error = result.get("error", {})
+            say(f"engine exit {code} ({error.get('kind')}): {error.get('traceback') or error.get('message')}")
             return code
         value = result["value"]
         last = int(value["last_rollout"])

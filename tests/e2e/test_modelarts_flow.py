@@ -1,0 +1,159 @@
+"""modelarts-training end to end: the deployment run by a worker, each chunk a job on the local ModelArts API
+server (tests/support/modelarts_server.py, reached through the real huaweicloudsdkmodelarts client), which runs
+the job's command (`vimeflow modelarts-entrypoint`) as local processes with ModelArts' environment; obs://
+is the moto server through the real OBS SDK. The server kills the first job after it committed rollout 0
+(Abnormal); a new job resumes from OBS, and the final checkpoint equals a local run's bit for bit."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.modelarts_entrypoint import ChunkSpec, ClusterEnv, parse_cluster_env
+from tests.e2e.conftest import REPO, tiny_parameters
+from tests.support.modelarts_server import ModelArtsServer
+from tests.support.prefect_server import PrefectAPI, task_runs_of, wait_for_flow_run
+from tests.support.s3_fixtures import TEST_ACCESS_KEY, TEST_SECRET_KEY, moto_endpoint  # noqa: F401
+
+AK, SK, PROJECT = "AKVIMEFLOWE2E0007", "sk-e2e-SeCrEt-0007", "proj-e2e-07"
+OBS_ENV = {"OBS_ACCESS_KEY_ID": TEST_ACCESS_KEY, "OBS_SECRET_ACCESS_KEY": TEST_SECRET_KEY,
+           "OBS_REGION": "us-east-1", "OBS_PATH_STYLE": "1"}
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def modelarts(tmp_path_factory):
+    server = ModelArtsServer(tmp_path_factory.mktemp("modelarts"), ak=AK, sk=SK, project_id=PROJECT,
+                             creating_s=0.1, pending_s=0.1)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def bucket(moto_endpoint):  # noqa: F811
+    import boto3
+
+    name = f"vf-ma-{int(time.time())}"
+    boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1", aws_access_key_id=TEST_ACCESS_KEY,
+                 aws_secret_access_key=TEST_SECRET_KEY).create_bucket(Bucket=name)
+    return name
+
+
+def _submit(api: PrefectAPI, deployed: str, modelarts: ModelArtsServer, moto: str, bucket: str, run_name: str,
+            disk: Path) -> tuple[str, dict]:
+    """Trigger modelarts-training as the UI does, with the worker's job variables carrying the credentials."""
+    params = tiny_parameters(f"obs://{bucket}/vf")
+    params.pop("ray_address", None)
+    params["storage"]["run_name"] = run_name
+    params["modelarts"] = {
+        "image": "127.0.0.1:5000/vimeflow/cpu:test", "flavor": "modelarts.vm.cpu.8u", "endpoint": modelarts.url,
+        "entrypoint": f"{sys.executable} -m flows.cli modelarts-entrypoint", "working_dir": str(REPO),
+        "work_dir": str(disk), "poll_interval_s": 0.3, "max_poll_interval_s": 1.0,
+        "forward_env": ["OBS_ENDPOINT", "OBS_REGION", "OBS_PATH_STYLE", "OBS_ACCESS_KEY_ID", "OBS_SECRET_ACCESS_KEY"],
+    }
+    deployment = api.get("/deployments/name/modelarts-training/modelarts-training").json()["id"]
+    env = {**OBS_ENV, "OBS_ENDPOINT": moto, "HUAWEICLOUD_SDK_AK": AK, "HUAWEICLOUD_SDK_SK": SK,
+           "HUAWEICLOUD_SDK_PROJECT_ID": PROJECT}
+    response = api.post(f"/deployments/{deployment}/create_flow_run",
+                        {"parameters": params, "job_variables": {"env": env}})
+    assert response.status_code == 201, response.text
+    return response.json()["id"], params
+
+
+def _obs(moto: str, bucket: str):
+    from tasks.storage_obs import ObsStorage
+
+    return ObsStorage(bucket, "vf", server=moto, access_key=TEST_ACCESS_KEY, secret_key=TEST_SECRET_KEY,
+                      region="us-east-1", path_style=True)
+
+
+def test_lost_job_is_resumed_by_a_new_job_and_ends_equal_to_a_local_run(
+        prefect_api: PrefectAPI, deployed: str, modelarts: ModelArtsServer, moto_endpoint, bucket,  # noqa: F811
+        tmp_path):
+    from tasks.engine_process import run_engine_job
+    from tasks.run_layout import RunLayout, localize
+
+    modelarts.crash_on_log("committed rollout_0000000", times=1)
+    t0 = time.monotonic()
+    flow_run_id, params = _submit(prefect_api, deployed, modelarts, moto_endpoint, bucket, "ma-lost", tmp_path / "disk")
+    run = wait_for_flow_run(prefect_api, flow_run_id, timeout=420)
+    print(f"modelarts-training took {time.monotonic() - t0:.1f} s")
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+
+    jobs = sorted(modelarts.jobs.values(), key=lambda j: j.create_time)
+    assert [j.phase for j in jobs] == ["Abnormal", "Completed", "Completed"]
+    assert [j.secondary_phase for j in jobs][0] == "Lost"
+    for job in jobs:  # the job body the submitter sent: image, flavor, the entrypoint on the chunk spec
+        algorithm = job.body["algorithm"]
+        assert algorithm["engine"]["image_url"] == params["modelarts"]["image"]
+        assert job.body["spec"]["resource"]["flavor_id"] == "modelarts.vm.cpu.8u"
+        assert "modelarts-entrypoint --spec obs://" in algorithm["command"]
+        assert "HUAWEICLOUD_SDK_SK" not in algorithm["environments"]  # API credentials stay with the submitter
+    commands = [job.body["algorithm"]["command"] for job in jobs]
+    assert commands[0] == commands[1] and commands[0].endswith("/chunk-0000000.json")  # the lost chunk again
+    assert commands[2].endswith("/chunk-0000002.json")
+    logs = [job.log_path("worker-0").read_text() for job in jobs]
+    assert "starting from the initial model" in logs[0] and "committed rollout_0000001" not in logs[0]
+    assert "resuming from committed checkpoint rollout 0" in logs[1]
+    assert "committed rollout_0000001" in logs[1] and "committed rollout_0000000" not in logs[1]
+    assert "resuming from committed checkpoint rollout 1" in logs[2]
+
+    tasks = {t["name"]: t for t in task_runs_of(prefect_api, flow_run_id)}
+    assert tasks["submit_modelarts-from-0"]["run_count"] == 2 and tasks["submit_modelarts-from-2"]["run_count"] == 1
+
+    root = _obs(moto_endpoint, bucket)
+    lineage = json.loads(root.get_bytes("runs/ma-lost/published/lineage.json"))
+    assert [c["rollouts"] for c in lineage["chunks"]] == [[0, 1], [2, 3]]
+    assert [c["resumed_from"] for c in lineage["chunks"]] == [0, 1]
+    assert "sk-" not in json.dumps(lineage["parameters"]) and TEST_SECRET_KEY not in json.dumps(lineage)
+    final = root.get_bytes("runs/ma-lost/checkpoints/rollout_0000003/model.safetensors")
+
+    # The local run: the same engine job (from the chunk spec the flow wrote), rollouts 0-3 on local Ray.
+    spec = ChunkSpec.from_json(root.get_bytes("runs/ma-lost/modelarts/chunk-0000000.json").decode())
+    layout = RunLayout(spec.storage_root, "local", str(tmp_path / "local"))
+    flags = localize(spec.job, layout)
+    t1 = time.monotonic()
+    local = run_engine_job({"mode": "train", "flags": flags, "start": 0, "count": 4}, tmp_path / "local" / "job")
+    print(f"local reference run took {time.monotonic() - t1:.1f} s")
+    reference = Path(local.value["checkpoint_path"]) / "model.safetensors"
+    assert _sha256(final) == _sha256(reference.read_bytes())
+
+
+def test_cancelling_the_flow_run_terminates_the_job(prefect_api: PrefectAPI, deployed: str,
+                                                    modelarts: ModelArtsServer, moto_endpoint, bucket,  # noqa: F811
+                                                    tmp_path):
+    before = set(modelarts.jobs)
+    flow_run_id, _ = _submit(prefect_api, deployed, modelarts, moto_endpoint, bucket, "ma-cancel", tmp_path / "disk")
+    deadline = time.monotonic() + 240
+    while not (new := [j for k, j in modelarts.jobs.items() if k not in before and j.phase == "Running"]):
+        assert time.monotonic() < deadline, "no job started"
+        time.sleep(0.2)
+    response = prefect_api.post(f"/flow_runs/{flow_run_id}/set_state",
+                                {"state": {"type": "CANCELLING", "name": "Cancelling"}})
+    assert response.status_code in (200, 201), response.text
+    assert modelarts.wait_for_phase(new[0].id, {"Terminated"}, timeout=120) == "Terminated"
+    assert all(p.poll() is not None for p in new[0].processes)
+    run = wait_for_flow_run(prefect_api, flow_run_id, timeout=120)
+    assert run["state"]["type"] == "CANCELLED", run["state"]
+
+
+# ---------------------------------------------------------------- the contract's pure parts
+
+
+def test_cluster_env_from_modelarts_variables():
+    two = {"VC_TASK_INDEX": "1", "VC_WORKER_HOSTS": "10.0.0.5,10.0.0.6", "MA_NUM_HOSTS": "2"}
+    assert parse_cluster_env(two) == ClusterEnv(1, ["10.0.0.5", "10.0.0.6"])
+    assert parse_cluster_env(two).head_address == "10.0.0.5:6379" and not parse_cluster_env(two).is_head
+    assert parse_cluster_env({"MA_CURRENT_IP": "10.0.0.9"}) == ClusterEnv(0, ["10.0.0.9"])
+    with pytest.raises(ValueError, match="VC_WORKER_HOSTS is not set"):
+        parse_cluster_env({"MA_NUM_HOSTS": "2"})
+    with pytest.raises(ValueError, match="MA_NUM_HOSTS=3"):
+        parse_cluster_env({**two, "MA_NUM_HOSTS": "3"})
