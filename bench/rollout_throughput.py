@@ -2,8 +2,8 @@
 
 Both sample the same tokenized prompts with the same settings (temperature, top-p 1, no top-k, n samples per
 prompt, max new tokens) in fp32 on the same threads. Tokens counted are generated tokens up to and including
-the first EOS (HF pads finished rows; those pads are not counted). Each side gets one warm-up call; the best
-of `--repeat` timed calls is kept.
+the first EOS (HF pads finished rows; those pads are not counted). Each side first runs the full timed call
+once untimed (vLLM's first batch of a new shape is several times slower); the best of `--repeat` is kept.
 
     .venv/bin/python bench/rollout_throughput.py                     # tiny + SmolLM2-135M
     .venv/bin/python bench/rollout_throughput.py --models tiny-qwen3 --prompts 16 --n 8 --max-tokens 64
@@ -48,7 +48,7 @@ def bench_vllm(model_path: Path, prompts, n: int, max_tokens: int, temperature: 
 
     engine = VLLMEngine(EngineSettings(str(model_path), kv_cache_bytes=1 << 30))
     sampling = SamplingSettings(max_tokens=max_tokens, temperature=temperature)
-    engine.generate(prompts[:2], n, sampling, seeds=[0, 1])  # warm-up
+    engine.generate(prompts, n, sampling, seeds=list(range(len(prompts))))  # warm-up at the timed shape
     best = 0.0
     for r in range(repeat):
         start = time.perf_counter()
@@ -78,7 +78,7 @@ def bench_hf(model_path: Path, prompts, n: int, max_tokens: int, temperature: fl
             )
         return out[:, batch_ids.shape[1]:].tolist()
 
-    run(ids[:2], mask[:2])  # warm-up
+    run(ids, mask)  # warm-up at the timed shape
     best = 0.0
     for r in range(repeat):
         torch.manual_seed(r)
