@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +40,15 @@ def modelarts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ray_tmp():
+    """A short Ray temp dir: Ray's AF_UNIX socket paths under it must stay within 107 bytes, which a
+    pytest-of-root/pytest-NN/… directory can exceed."""
+    path = tempfile.mkdtemp(prefix="vfr-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
 def bucket(moto_endpoint):  # noqa: F811
     import boto3
 
@@ -47,21 +58,24 @@ def bucket(moto_endpoint):  # noqa: F811
     return name
 
 
-def _submit(api: PrefectAPI, deployed: str, modelarts: ModelArtsServer, moto: str, bucket: str, run_name: str,
-            disk: Path) -> tuple[str, dict]:
+ENTRYPOINT = f"{sys.executable} -m flows.cli modelarts-entrypoint"
+
+
+def _submit(api: PrefectAPI, modelarts: ModelArtsServer, moto: str, bucket: str, run_name: str, disk: Path,
+            ray_tmp: str, entrypoint: str = ENTRYPOINT) -> tuple[str, dict]:
     """Trigger modelarts-training as the UI does, with the worker's job variables carrying the credentials."""
     params = tiny_parameters(f"obs://{bucket}/vf")
     params.pop("ray_address", None)
     params["storage"]["run_name"] = run_name
     params["modelarts"] = {
         "image": "127.0.0.1:5000/vimeflow/cpu:test", "flavor": "modelarts.vm.cpu.8u", "endpoint": modelarts.url,
-        "entrypoint": f"{sys.executable} -m flows.cli modelarts-entrypoint", "working_dir": str(REPO),
+        "entrypoint": entrypoint, "working_dir": str(REPO),
         "work_dir": str(disk), "poll_interval_s": 0.3, "max_poll_interval_s": 1.0,
         "forward_env": ["OBS_ENDPOINT", "OBS_REGION", "OBS_PATH_STYLE", "OBS_ACCESS_KEY_ID", "OBS_SECRET_ACCESS_KEY"],
     }
     deployment = api.get("/deployments/name/modelarts-training/modelarts-training").json()["id"]
     env = {**OBS_ENV, "OBS_ENDPOINT": moto, "HUAWEICLOUD_SDK_AK": AK, "HUAWEICLOUD_SDK_SK": SK,
-           "HUAWEICLOUD_SDK_PROJECT_ID": PROJECT}
+           "HUAWEICLOUD_SDK_PROJECT_ID": PROJECT, "VIMEFLOW_RAY_TMP": ray_tmp}
     response = api.post(f"/deployments/{deployment}/create_flow_run",
                         {"parameters": params, "job_variables": {"env": env}})
     assert response.status_code == 201, response.text
@@ -77,13 +91,14 @@ def _obs(moto: str, bucket: str):
 
 def test_lost_job_is_resumed_by_a_new_job_and_ends_equal_to_a_local_run(
         prefect_api: PrefectAPI, deployed: str, modelarts: ModelArtsServer, moto_endpoint, bucket,  # noqa: F811
-        tmp_path):
+        ray_tmp, tmp_path, monkeypatch):
     from tasks.engine_process import run_engine_job
     from tasks.run_layout import RunLayout, localize
 
     modelarts.crash_on_log("committed rollout_0000000", times=1)
     t0 = time.monotonic()
-    flow_run_id, params = _submit(prefect_api, deployed, modelarts, moto_endpoint, bucket, "ma-lost", tmp_path / "disk")
+    flow_run_id, params = _submit(prefect_api, modelarts, moto_endpoint, bucket, "ma-lost", tmp_path / "disk",
+                                  ray_tmp)
     run = wait_for_flow_run(prefect_api, flow_run_id, timeout=420)
     print(f"modelarts-training took {time.monotonic() - t0:.1f} s")
     assert run["state"]["type"] == "COMPLETED", run["state"]
@@ -120,6 +135,7 @@ def test_lost_job_is_resumed_by_a_new_job_and_ends_equal_to_a_local_run(
     spec = ChunkSpec.from_json(root.get_bytes("runs/ma-lost/modelarts/chunk-0000000.json").decode())
     layout = RunLayout(spec.storage_root, "local", str(tmp_path / "local"))
     flags = localize(spec.job, layout)
+    monkeypatch.setenv("VIMEFLOW_RAY_TMP", ray_tmp)
     t1 = time.monotonic()
     local = run_engine_job({"mode": "train", "flags": flags, "start": 0, "count": 4}, tmp_path / "local" / "job")
     print(f"local reference run took {time.monotonic() - t1:.1f} s")
@@ -129,11 +145,14 @@ def test_lost_job_is_resumed_by_a_new_job_and_ends_equal_to_a_local_run(
 
 def test_cancelling_the_flow_run_terminates_the_job(prefect_api: PrefectAPI, deployed: str,
                                                     modelarts: ModelArtsServer, moto_endpoint, bucket,  # noqa: F811
-                                                    tmp_path):
+                                                    ray_tmp, tmp_path):
     before = set(modelarts.jobs)
-    flow_run_id, _ = _submit(prefect_api, deployed, modelarts, moto_endpoint, bucket, "ma-cancel", tmp_path / "disk")
+    # The job sleeps before the entrypoint: it is surely still running when the cancel arrives.
+    flow_run_id, _ = _submit(prefect_api, modelarts, moto_endpoint, bucket, "ma-cancel", tmp_path / "disk", ray_tmp,
+                             entrypoint=f"echo started; sleep 300; {ENTRYPOINT}")
     deadline = time.monotonic() + 240
-    while not (new := [j for k, j in modelarts.jobs.items() if k not in before and j.phase == "Running"]):
+    while not (new := [j for k, j in modelarts.jobs.items() if k not in before and j.phase == "Running"
+                       and b"started" in j.log_path("worker-0").read_bytes()]):
         assert time.monotonic() < deadline, "no job started"
         time.sleep(0.2)
     response = prefect_api.post(f"/flow_runs/{flow_run_id}/set_state",
