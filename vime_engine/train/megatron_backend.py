@@ -62,7 +62,6 @@ class MegatronTrainBackend:
         self.dtype = getattr(torch, cfg.model.dtype)
         self.bridge = mm.hf_bridge(cfg.model.hf_checkpoint, self.dtype)
         self.vocab_size = self.bridge.hf_pretrained.config.vocab_size
-        self.tied = bool(getattr(self.bridge.hf_pretrained.config, "tie_word_embeddings", False))
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
         self.model = mm.build_model(self.bridge, self.layout, self.dtype, self.accelerator, ddp_config=ddp)
         self.ref_model = None
@@ -75,8 +74,8 @@ class MegatronTrainBackend:
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-                adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=self.dtype == torch.bfloat16,
-                fp16=self.dtype == torch.float16, params_dtype=self.dtype,
+                adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+                bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, params_dtype=self.dtype,
             ),
             self.model,
         )
@@ -145,7 +144,8 @@ class MegatronTrainBackend:
             flat = torch.cat([per_sample[i] for i in range(len(samples))])
         if self.layout.pipeline > 1:
             torch.distributed.broadcast(
-                flat, self.ps.get_pipeline_model_parallel_last_rank(), group=self.ps.get_pipeline_model_parallel_group()
+                flat, self.ps.get_pipeline_model_parallel_last_rank(),
+                group=self.ps.get_pipeline_model_parallel_group(),
             )
         return flat
 
@@ -204,7 +204,8 @@ class MegatronTrainBackend:
         if self.layout.pipeline > 1:
             holder = [summed]
             torch.distributed.broadcast_object_list(
-                holder, self.ps.get_pipeline_model_parallel_last_rank(), group=self.ps.get_pipeline_model_parallel_group()
+                holder, self.ps.get_pipeline_model_parallel_last_rank(),
+                group=self.ps.get_pipeline_model_parallel_group(),
             )
             summed = holder[0]
         keys = sorted(summed)
@@ -216,19 +217,15 @@ class MegatronTrainBackend:
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The policy's full weights in HF names (gathered over TP/PP; collective: every rank must iterate);
         `lm_head.weight` always included (vLLM needs it even when tied)."""
-        for name, tensor in self.bridge.export_hf_weights(self.model, cpu=False, show_progress=False):
+        for name, tensor in self.mm.hf_weight_stream(self.bridge, self.model, with_lm_head=True):
             yield name, tensor.detach()
-            if self.tied and name == "model.embed_tokens.weight":
-                yield "lm_head.weight", tensor.detach()
 
     def save_hf(self, directory: str | Path, tokenizer_from: str | None = None) -> Path:
         """An HF directory (safetensors + config + tokenizer) of the current weights; collective, rank 0 writes."""
         from vime_engine.convert import copy_non_weight_files
 
         directory = Path(directory)
-        weights = {
-            name: tensor.cpu() for name, tensor in self.bridge.export_hf_weights(self.model, cpu=True, show_progress=False)
-        }
+        weights = {name: t.cpu() for name, t in self.mm.hf_weight_stream(self.bridge, self.model, with_lm_head=False)}
         if torch.distributed.get_rank() == 0:
             self.mm.save_hf_weights(weights, directory)
             copy_non_weight_files(Path(tokenizer_from or self.cfg.model.hf_checkpoint), directory)

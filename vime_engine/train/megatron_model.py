@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,10 @@ def init_distributed(accelerator: Accelerator, layout: ParallelLayout, seed: int
     """
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        if "MASTER_PORT" not in os.environ:  # a world of one: any free port
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
         torch.distributed.init_process_group(
             accelerator.dist_backend,
             rank=int(os.environ.get("RANK", "0")),
@@ -133,6 +137,10 @@ def build_model(
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     if importlib.util.find_spec("transformer_engine") is None:
         provider.transformer_layer_spec = local_layer_spec
+        # Fused kernels that need TE / Apex (Llama providers turn them on); the local layers reject them.
+        provider.apply_rope_fusion = False
+        provider.persist_layer_norm = False
+        provider.gradient_accumulation_fusion = False
     provider.tensor_model_parallel_size = layout.tensor
     provider.pipeline_model_parallel_size = layout.pipeline
     provider.context_parallel_size = layout.context
@@ -216,3 +224,28 @@ def save_hf_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
     if plan.is_sharded:
         index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+_TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def hf_weight_stream(bridge: AutoBridge, model: list[torch.nn.Module], with_lm_head: bool):
+    """(HF name, tensor) of the full model (collective over TP/PP ranks: every rank must iterate).
+
+    With tied embeddings Megatron-Bridge exports the shared matrix under one of its two HF names, depending on
+    the architecture; this stream always names it `model.embed_tokens.weight` and, when `with_lm_head` (vLLM
+    needs it), also yields it as `lm_head.weight` right after.
+    """
+    hf_config = getattr(bridge.hf_pretrained, "config", bridge.hf_pretrained)  # a bridge built from a config
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    shared_done = False
+    for name, tensor in bridge.export_hf_weights(model, cpu=False, show_progress=False):
+        if not (tied and name in _TIED_NAMES):
+            yield name, tensor
+            continue
+        if shared_done:
+            continue
+        shared_done = True
+        yield _TIED_NAMES[0], tensor
+        if with_lm_head:
+            yield _TIED_NAMES[1], tensor
