@@ -298,8 +298,11 @@ def _check_combinations(cfg: EngineConfig) -> None:
         )
     if cfg.placement.async_rollout and cfg.placement.colocate:
         raise ConfigError("--async-rollout needs the rollout engine on its own actor: drop --colocate")
-    if r.partial_rollout and r.over_sampling_batch_size is None:
-        raise ConfigError("--partial-rollout needs --over-sampling-batch-size (prompts drawn per generation round)")
+    if r.partial_rollout:
+        raise ConfigError(
+            "--partial-rollout is not supported yet: every request runs to completion, so nothing is cut off; "
+            "use --over-sampling-batch-size, whose surplus groups carry over to the next rollout"
+        )
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError(
             f"--over-sampling-batch-size {r.over_sampling_batch_size} must be >= --rollout-batch-size "

@@ -35,6 +35,9 @@ def base_config(tmp_path_factory, tiny_model, arithmetic_data) -> dict:
         "num-rollout": NUM_ROLLOUT, "rollout-batch-size": 4, "n-samples-per-prompt": 4,
         "global-batch-size": 8,  # two optimizer steps per rollout: the optimizer state matters
         "rollout-max-response-len": 8, "lr": 1e-3, "save-interval": 1, "vllm-kv-cache-gb": 0.25,
+        # Over-sampling: 6 prompts drawn for 4 groups, so kept surplus groups carry over across rollouts
+        # (and across the kills below, through the checkpoint's buffer).
+        "over-sampling-batch-size": 6,
     }
 
 

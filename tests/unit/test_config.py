@@ -74,6 +74,7 @@ def test_missing_required_flags_are_listed():
     (["--save-interval", "2"], "--save-interval needs --save DIR"),
     (["--eval-prompt-data", "aime"], "--eval-prompt-data takes pairs"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c"),
+    (["--partial-rollout"], "--partial-rollout is not supported yet"),
 ])
 def test_impossible_combinations(flags, message):
     with pytest.raises(ConfigError, match=message):
