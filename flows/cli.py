@@ -135,14 +135,12 @@ def server(host: str = "127.0.0.1", port: int = 4200) -> None:
 @app.command(name="modelarts-entrypoint")
 def modelarts_entrypoint(
     spec: str = typer.Option(..., "--spec", help="obs://… URI of the chunk spec the submitter wrote"),
-    work_dir: Path = typer.Option(None, "--work-dir", help="local disk (default: $VIMEFLOW_WORK_DIR or "
-                                  "/cache/vimeflow)"),
 ) -> None:
     """Inside a ModelArts training job: train one chunk and commit it to OBS (tasks/modelarts_entrypoint.py).
     Exit code: 0 done, 75 preempted after a committed checkpoint, 3 infrastructure, other = failure."""
     from tasks.modelarts_entrypoint import main as run_entrypoint
 
-    raise typer.Exit(run_entrypoint(spec, str(work_dir) if work_dir else None))
+    raise typer.Exit(run_entrypoint(spec))
 
 
 def main() -> None:
