@@ -6,12 +6,13 @@
 The storage root is on OBS: the jobs fetch the staged model and data from it and commit their checkpoints to it.
 A job ModelArts loses (Abnormal / Lost / Unknown) is retried as a new job that resumes from the newest committed
 checkpoint; a terminated job cancels the run; cancelling the run terminates the job. Evaluation and publishing
-run where the flow runs, as in rl-pipeline.
+run where the flow runs, as in rl-pipeline, in the same local directory (`modelarts.work_dir`) as the jobs.
 """
 
 from __future__ import annotations
 
 from prefect import flow
+from prefect.states import State
 from pydantic import BaseModel, ConfigDict, Field
 
 from flows.params import (
@@ -22,7 +23,7 @@ from tasks.evaluate import evaluate
 from tasks.pipeline_prepare import check_image, convert_checkpoint, stage_data, stage_model
 from tasks.publish import PublishOutcome, publish
 from tasks.result_store import results_block
-from tasks.run_layout import make_layout
+from tasks.run_layout import RunLayout
 from tasks.submit_modelarts import ModelArtsSettings, submit_modelarts
 
 
@@ -57,7 +58,7 @@ def modelarts_training(
     training: TrainingPlan = TrainingPlan(),
     evaluation: EvaluationSettings = EvaluationSettings(),
     image: ImageCheck | None = None,
-) -> PublishOutcome:
+) -> PublishOutcome | State:
     """Stage, convert, train chunk by chunk on ModelArts, evaluate and publish one RL post-training run."""
     root = storage.resolved_root()
     image_info = check_image(image.reference, image.requirements) if image else None
@@ -69,13 +70,17 @@ def modelarts_training(
 
     job = engine_job(engine, training, evaluation, trainable.uri, trainable.manifest_hash, data,
                      train_asset.result(), [a.result() for a in eval_assets], ray_address=None)
-    layout = make_layout(root, storage.run_name or job.identity_hash[:12])
+    run_name = storage.run_name or job.identity_hash[:12]
+    layout = RunLayout(root, run_name, f"{modelarts.work_dir.rstrip('/')}/{run_name}")  # same path in the jobs
     results = results_block(root)
 
     chunk = submit_modelarts.with_options(retries=training.infrastructure_retries, result_storage=results)
     chunks, previous = [], None
     for start, count in chunk_ranges(training.num_rollouts, training.rollouts_per_chunk):
-        previous = chunk(job, layout, start, count, previous, modelarts)
+        state = chunk(job, layout, start, count, previous, modelarts, return_state=True)
+        if state.is_cancelled():  # the job was terminated on ModelArts: the run ends Cancelled too
+            return state
+        previous = state.result()
         chunks.append(previous)
 
     final_eval = evaluate.with_options(result_storage=results)(job, layout, previous)

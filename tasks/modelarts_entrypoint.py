@@ -13,8 +13,9 @@ the job runs that command with ModelArts' environment (`VC_TASK_INDEX`, `VC_WORK
 
 OBS is the only state that outlives a container: a job lost mid-way (ModelArts reports Abnormal) is replaced by a
 new job that resumes from the newest committed checkpoint, which holds everything the engine needs to continue
-bit-identically (weights, optimizer, RNG, data cursor). Local paths are stable per run (`--work-dir` /
-`VIMEFLOW_WORK_DIR` + run name) because the engine resumes only under the same --hf-checkpoint and --prompt-data.
+bit-identically (weights, optimizer, RNG, data cursor). The run's local directory (`ChunkSpec.work_dir`) is the
+same path in every container and where the flow evaluates, because the engine loads a checkpoint only under the
+same --hf-checkpoint and --prompt-data paths it was trained with.
 
 Exit codes (what the submitter reads from task 0's `exit_code`): 0 done; 75 preempted after a committed
 checkpoint; 3 infrastructure (Ray, storage 5xx): retry; 2 configuration and 1 code errors: fail.
@@ -44,7 +45,6 @@ from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE
 # Task 0's exit codes after which a new job from the newest committed checkpoint may succeed.
 RETRYABLE_EXIT_CODES = frozenset({PREEMPTED_EXIT_CODE, EXIT_INFRASTRUCTURE})
 RAY_PORT = 6379
-DEFAULT_WORK_DIR = "/cache/vimeflow"  # ModelArts' local SSD
 _COMMITTED_RE = re.compile(r"(?:^|/)rollout_(\d{7})/manifest\.json$")
 _CHECKPOINT_DIR_RE = re.compile(r"rollout_(\d{7})")
 
@@ -63,6 +63,7 @@ class ChunkSpec:
 
     storage_root: str
     run_name: str
+    work_dir: str  # the run's local directory: model, data, checkpoints (the same path on every machine)
     start: int
     count: int
     job: EngineJob
@@ -88,7 +89,8 @@ class ChunkSpec:
         job = dict(data["job"])
         job["train_data"] = DatasetRef(**job["train_data"])
         job["eval_data"] = [DatasetRef(**d) for d in job.get("eval_data", [])]
-        return cls(data["storage_root"], data["run_name"], int(data["start"]), int(data["count"]), EngineJob(**job))
+        return cls(data["storage_root"], data["run_name"], data["work_dir"], int(data["start"]), int(data["count"]),
+                   EngineJob(**job))
 
 
 def checkpoint_key(run_prefix: str, rollout_id: int) -> str:
@@ -246,9 +248,9 @@ class CheckpointCommitter:
 # ---------------------------------------------------------------- the head's work
 
 
-def run_head(spec: ChunkSpec, cluster: ClusterEnv, work_base: Path) -> int:
+def run_head(spec: ChunkSpec, cluster: ClusterEnv) -> int:
     root = open_storage(spec.storage_root)
-    layout = RunLayout(spec.storage_root, spec.run_name, str(work_base / spec.run_name))
+    layout = RunLayout(spec.storage_root, spec.run_name, spec.work_dir)
     end = spec.start + spec.count
     say(f"chunk {spec.start}..{end - 1} of run {spec.run_name} on {len(cluster.hosts)} node(s)")
     flags = localize(spec.job, layout)  # model, data, eval sets: fetched and sha256-verified
@@ -292,7 +294,7 @@ def run_head(spec: ChunkSpec, cluster: ClusterEnv, work_base: Path) -> int:
             subprocess.run(_ray("stop"), check=False)
 
 
-def main(spec_uri: str, work_dir: str | None = None, environ: dict[str, str] | None = None) -> int:
+def main(spec_uri: str, environ: dict[str, str] | None = None) -> int:
     """The entrypoint: read the spec and ModelArts' environment, run this task's part, return the exit code."""
     environ = dict(os.environ if environ is None else environ)
     try:
@@ -306,5 +308,4 @@ def main(spec_uri: str, work_dir: str | None = None, environ: dict[str, str] | N
         return EXIT_CODE_ERROR
     if not cluster.is_head:
         return join_ray_head(cluster, spec)
-    work_base = Path(work_dir or environ.get("VIMEFLOW_WORK_DIR") or DEFAULT_WORK_DIR)
-    return run_head(spec, cluster, work_base)
+    return run_head(spec, cluster)

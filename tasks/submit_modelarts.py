@@ -57,7 +57,9 @@ class ModelArtsSettings(BaseModel):
                                           "default: HUAWEICLOUD_SDK_AK / _SK / _PROJECT_ID")
     entrypoint: str = Field("vimeflow modelarts-entrypoint", description="the command inside the image")
     working_dir: str | None = None
-    work_dir: str = Field("/cache/vimeflow", description="the container's local disk for model, data, checkpoints")
+    work_dir: str = Field("/cache/vimeflow", description="local directory for model, data and checkpoints: the same "
+                          "path in the containers and where the flow evaluates (the engine loads a checkpoint only "
+                          "under the --hf-checkpoint / --prompt-data paths it was trained with)")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables of the job")
     forward_env: list[str] = Field(default_factory=lambda: list(DEFAULT_FORWARD_ENV),
                                    description="variables copied from the flow's environment into the job "
@@ -83,7 +85,6 @@ def job_name(run_name: str, start: int) -> str:
 def job_spec(spec: ChunkSpec, spec_uri: str, settings: ModelArtsSettings) -> ModelArtsJobSpec:
     env = {name: os.environ[name] for name in settings.forward_env if os.environ.get(name)}
     env.update(settings.env)
-    env["VIMEFLOW_WORK_DIR"] = settings.work_dir
     if settings.node_count > 1:  # Ray ≥ 2.5x clusters require a token; a fresh one per job
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     log_url = None
@@ -138,7 +139,7 @@ def submit_modelarts(job: EngineJob, layout: RunLayout, start: int, count: int, 
     """Train rollouts start … start+count-1 as a ModelArts job; the job commits the end checkpoint to OBS."""
     del previous  # the job resumes from what is committed in OBS; `previous` keys the cache
     logger = get_run_logger()
-    spec = ChunkSpec(layout.storage_root, layout.run_name, start, count, job)
+    spec = ChunkSpec(layout.storage_root, layout.run_name, layout.work_dir, start, count, job)
     root = open_storage(layout.storage_root)
     root.put_bytes(spec.spec_key, spec.to_json().encode())
     client = make_client(load_credentials(settings.credentials_block), endpoint=settings.endpoint,

@@ -76,8 +76,12 @@ def _submit(api: PrefectAPI, modelarts: ModelArtsServer, moto: str, bucket: str,
     deployment = api.get("/deployments/name/modelarts-training/modelarts-training").json()["id"]
     env = {**OBS_ENV, "OBS_ENDPOINT": moto, "HUAWEICLOUD_SDK_AK": AK, "HUAWEICLOUD_SDK_SK": SK,
            "HUAWEICLOUD_SDK_PROJECT_ID": PROJECT, "VIMEFLOW_RAY_TMP": ray_tmp}
-    response = api.post(f"/deployments/{deployment}/create_flow_run",
-                        {"parameters": params, "job_variables": {"env": env}})
+    for _ in range(5):  # a busy SQLite-backed server may answer 503
+        response = api.post(f"/deployments/{deployment}/create_flow_run",
+                            {"parameters": params, "job_variables": {"env": env}})
+        if response.status_code != 503:
+            break
+        time.sleep(2)
     assert response.status_code == 201, response.text
     return response.json()["id"], params
 
@@ -143,25 +147,44 @@ def test_lost_job_is_resumed_by_a_new_job_and_ends_equal_to_a_local_run(
     assert _sha256(final) == _sha256(reference.read_bytes())
 
 
-def test_cancelling_the_flow_run_terminates_the_job(prefect_api: PrefectAPI, deployed: str,
-                                                    modelarts: ModelArtsServer, moto_endpoint, bucket,  # noqa: F811
-                                                    ray_tmp, tmp_path):
+def _running_sleeper(api: PrefectAPI, modelarts: ModelArtsServer, moto: str, bucket: str, run_name: str,
+                     disk: Path, ray_tmp: str):
+    """A flow run whose first job sleeps before the entrypoint (surely still running when the test acts)."""
     before = set(modelarts.jobs)
-    # The job sleeps before the entrypoint: it is surely still running when the cancel arrives.
-    flow_run_id, _ = _submit(prefect_api, modelarts, moto_endpoint, bucket, "ma-cancel", tmp_path / "disk", ray_tmp,
+    flow_run_id, _ = _submit(api, modelarts, moto, bucket, run_name, disk, ray_tmp,
                              entrypoint=f"echo started; sleep 300; {ENTRYPOINT}")
     deadline = time.monotonic() + 240
     while not (new := [j for k, j in modelarts.jobs.items() if k not in before and j.phase == "Running"
                        and b"started" in j.log_path("worker-0").read_bytes()]):
         assert time.monotonic() < deadline, "no job started"
         time.sleep(0.2)
+    return flow_run_id, new[0]
+
+
+def test_cancelling_the_flow_run_terminates_the_job(prefect_api: PrefectAPI, deployed: str,
+                                                    modelarts: ModelArtsServer, moto_endpoint, bucket,  # noqa: F811
+                                                    ray_tmp, tmp_path):
+    flow_run_id, job = _running_sleeper(prefect_api, modelarts, moto_endpoint, bucket, "ma-cancel",
+                                        tmp_path / "disk", ray_tmp)
     response = prefect_api.post(f"/flow_runs/{flow_run_id}/set_state",
                                 {"state": {"type": "CANCELLING", "name": "Cancelling"}})
     assert response.status_code in (200, 201), response.text
-    assert modelarts.wait_for_phase(new[0].id, {"Terminated"}, timeout=120) == "Terminated"
-    assert all(p.poll() is not None for p in new[0].processes)
+    assert modelarts.wait_for_phase(job.id, {"Terminated"}, timeout=120) == "Terminated"
+    assert all(p.poll() is not None for p in job.processes)
     run = wait_for_flow_run(prefect_api, flow_run_id, timeout=120)
     assert run["state"]["type"] == "CANCELLED", run["state"]
+
+
+def test_a_job_terminated_on_modelarts_cancels_the_run(prefect_api: PrefectAPI, deployed: str,
+                                                       modelarts: ModelArtsServer, moto_endpoint, bucket,  # noqa: F811
+                                                       ray_tmp, tmp_path):
+    flow_run_id, job = _running_sleeper(prefect_api, modelarts, moto_endpoint, bucket, "ma-terminated",
+                                        tmp_path / "disk", ray_tmp)
+    modelarts.stop(job.id)  # what "Stop" in the ModelArts console does
+    run = wait_for_flow_run(prefect_api, flow_run_id, timeout=120)
+    assert run["state"]["type"] == "CANCELLED", run["state"]
+    tasks = {t["name"]: t["state"]["type"] for t in task_runs_of(prefect_api, flow_run_id)}
+    assert tasks["submit_modelarts-from-0"] == "CANCELLED" and "submit_modelarts-from-2" not in tasks, tasks
 
 
 # ---------------------------------------------------------------- the contract's pure parts
