@@ -43,7 +43,7 @@ def measure(cfg, path_name: str, repeat: int) -> float:
     from vime_engine.runtime.workers import Workers
 
     kind = "broadcast" if path_name == "broadcast" else "object_store"
-    workers = Workers(cfg, CPU, weight_sync=kind)
+    workers = Workers(cfg.with_overrides(weight_sync=kind), CPU)
     try:
         workers.sync_weights(0)  # warm-up: forms the broadcast group, touches every page once
         best = float("inf")

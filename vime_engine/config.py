@@ -117,6 +117,10 @@ class PlacementConfig(_Section):
     actor_num_gpus_per_node: int = Field(1, ge=1)
     ray_address: str | None = Field(None, description="Ray cluster address; default: a private local cluster")
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    weight_sync: Literal["object_store", "broadcast"] = Field(
+        "object_store", description="disaggregated weight sync: Ray's object store or a bucketed collective broadcast"
+    )
+    weight_sync_bucket_mb: float = Field(64, gt=0)
 
 
 class CheckpointConfig(_Section):
@@ -186,7 +190,7 @@ NON_MATH_FIELDS = {
     "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
     "eval_temperature", "eval_top_p", "eval_input_key", "eval_label_key", "eval_rm_type",
     "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "rollout_num_gpus", "rollout_num_gpus_per_engine",
-    "actor_num_nodes", "actor_num_gpus_per_node",
+    "actor_num_nodes", "actor_num_gpus_per_node", "weight_sync", "weight_sync_bucket_mb",
 }
 
 

@@ -46,9 +46,16 @@ def _run(inputs, name: str, **flags):
     return train(cfg), root / name / "metrics.jsonl"
 
 
-@pytest.mark.parametrize("placement", [{"colocate": True}, {}], ids=["colocated", "disaggregated"])
-def test_synchronous_loop_trains_on_exactly_the_rollout_policy(inputs, cluster, placement):
-    result, metrics_path = _run(inputs, "colocated" if placement else "disaggregated", **placement)
+PLACEMENTS = {
+    "colocated": {"colocate": True},
+    "disaggregated": {},
+    "disaggregated-broadcast": {"weight-sync": "broadcast"},
+}
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_synchronous_loop_trains_on_exactly_the_rollout_policy(inputs, cluster, name):
+    result, metrics_path = _run(inputs, name, **PLACEMENTS[name])
     assert result.rollouts_done == list(range(NUM_ROLLOUT))
     for row in result.history:
         assert row["train/train_rollout_logprob_abs_diff"] <= 1e-5, row

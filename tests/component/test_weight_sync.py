@@ -52,7 +52,7 @@ def _max_gap(workers: Workers, samples) -> float:
 
 @pytest.mark.parametrize("kind", ["object_store", "broadcast"])
 def test_sync_makes_rollout_log_probs_match_trainer(cfg, cluster, kind):
-    workers = Workers(cfg, CPU, weight_sync=kind)
+    workers = Workers(cfg.with_overrides(weight_sync=kind), CPU)
     try:
         assert workers.weight_sync.kind == kind
         plan = train_plan(cfg)

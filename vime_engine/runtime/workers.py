@@ -22,12 +22,16 @@ from vime_engine.train.torch_backend import TorchTrainBackend
 from vime_engine.weight_sync.buckets import TensorSpec, specs_of
 from vime_engine.weight_sync.endpoints import BroadcastReceiver, BroadcastSender, load_into_engine
 from vime_engine.weight_sync.group import GroupAddress
-from vime_engine.weight_sync.strategies import DEFAULT_BUCKET_MB, make_weight_sync
+from vime_engine.weight_sync.strategies import make_weight_sync
 
 
-def build_trainer(cfg: EngineConfig, device: str) -> TorchTrainBackend:
+def build_trainer(cfg: EngineConfig, device: str):
+    """The `--train-backend`: both implement the same contract (see train/torch_backend.py)."""
     if cfg.train.train_backend == "megatron":
-        raise NotImplementedError("--train-backend megatron is not available in this build; use torch")
+        # Imported here: megatron-core is only installed where it runs (the CUDA / NPU images, the 3.12 lane).
+        from vime_engine.train.megatron_backend import MegatronTrainBackend
+
+        return MegatronTrainBackend(cfg, device)
     return TorchTrainBackend(cfg, device)
 
 
@@ -88,7 +92,7 @@ class ColocatedActor(TrainerActor):
 class Workers:
     """The driver's view of the actors, identical for both placements."""
 
-    def __init__(self, cfg: EngineConfig, accel: Accelerator, weight_sync: str | None = None):
+    def __init__(self, cfg: EngineConfig, accel: Accelerator):
         env = {"runtime_env": {"env_vars": dict(accel.actor_env)}}
         kv_cache_bytes = int(cfg.rollout.vllm_kv_cache_gb * 2**30) if accel.kind == "cpu" else None
         resources = {"num_gpus": 1} if accel.ray_resource == "GPU" else (
@@ -101,11 +105,9 @@ class Workers:
         else:
             self.trainer = ray.remote(TrainerActor).options(**env, **resources).remote(cfg, accel.torch_device)
             self.rollout = ray.remote(RolloutActor).options(**env, **resources).remote(cfg, kv_cache_bytes)
-        # Proposed flags (placement section): --weight-sync object_store|broadcast, --weight-sync-bucket-mb.
         self.weight_sync = make_weight_sync(
-            weight_sync or getattr(cfg.placement, "weight_sync", "object_store"), self.trainer, self.rollout,
-            self.colocated, accel.dist_backend, accel.torch_device,
-            getattr(cfg.placement, "weight_sync_bucket_mb", DEFAULT_BUCKET_MB),
+            cfg.placement.weight_sync, self.trainer, self.rollout, self.colocated, accel.dist_backend,
+            accel.torch_device, cfg.placement.weight_sync_bucket_mb,
         )
 
     def generate(self, records: list[PromptRecord], rollout_id: int, first_group: int, plan: GenerationPlan):
