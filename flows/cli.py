@@ -143,6 +143,19 @@ def modelarts_entrypoint(
     raise typer.Exit(run_entrypoint(spec))
 
 
+@app.command()
+def convert(
+    source: Path = typer.Argument(..., help="the checkpoint to convert"),
+    dest: Path = typer.Argument(..., help="where to write the converted checkpoint"),
+    direction: str = typer.Option("hf_to_megatron", help="hf_to_megatron | megatron_to_hf"),
+) -> None:
+    """Convert HF <-> Megatron torch_dist through Megatron-Bridge, verified by a round trip (needs megatron-core)."""
+    from vime_engine.convert import convert_checkpoint
+    from vime_engine.runtime.devices import resolve_accelerator
+
+    console.print(f"converted: {convert_checkpoint(source, dest, direction, resolve_accelerator())}")
+
+
 def main() -> None:
     app(prog_name="vimeflow")
 
