@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -53,10 +52,6 @@ def test_changed_source_reconverts_and_wrong_input_is_named(tiny_qwen3, tmp_path
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.skipif(
-    os.environ.get("VIMEFLOW_MEGATRON_SMOLLM2") != "1",
-    reason="SmolLM2-135M round trip (~1 min, ~3 GB RAM): set VIMEFLOW_MEGATRON_SMOLLM2=1",
-)
 def test_smollm2_llama_round_trip(tmp_path_factory, tmp_path):
     from vime_engine.models.builtin import materialize_builtin_model
 
