@@ -78,21 +78,18 @@ def test_killed_run_resumes_and_ends_bit_identical(prefect_api: PrefectAPI, depl
 
 def test_nightly_passes_on_its_baseline_and_fails_with_a_readable_diff(prefect_api: PrefectAPI,
                                                                         deployed_run: DeployedRun, tmp_path):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from flows.nightly_regression import RegressionDetected, nightly_regression
 
     root = deployed_run.storage_root.as_uri()  # the same pinned config: training and eval come from the cache
-    with temporary_settings({PREFECT_API_URL: prefect_api.url}):
-        observed = nightly_regression(storage_root=root)
-        assert observed["step_time_ratio"] > 0 and observed["reward_last"] is not None
+    observed = nightly_regression(storage_root=root)
+    assert observed["step_time_ratio"] > 0 and observed["reward_last"] is not None
 
-        baseline = yaml.safe_load((REPO / "configs" / "nightly-baseline.yaml").read_text())
-        baseline["bands"][0].update(baseline=0.9, below=0.05)  # reward_last: a bar this run cannot reach
-        broken = tmp_path / "baseline.yaml"
-        broken.write_text(yaml.safe_dump(baseline))
-        with pytest.raises(RegressionDetected) as failure:
-            nightly_regression(storage_root=root, baseline_file=str(broken))
+    baseline = yaml.safe_load((REPO / "configs" / "nightly-baseline.yaml").read_text())
+    baseline["bands"][0].update(baseline=0.9, below=0.05)  # reward_last: a bar this run cannot reach
+    broken = tmp_path / "baseline.yaml"
+    broken.write_text(yaml.safe_dump(baseline))
+    with pytest.raises(RegressionDetected) as failure:
+        nightly_regression(storage_root=root, baseline_file=str(broken))
     diff = str(failure.value)
     assert "1 of 4 metric(s) outside their band" in diff
     assert "| ❌ | reward_last |" in diff and "[0.85, 1.2]" in diff and "under" in diff

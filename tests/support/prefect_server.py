@@ -61,9 +61,12 @@ def prefect_api(tmp_path_factory) -> Iterator[PrefectAPI]:
     server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
     proc = start_server("127.0.0.1", port, server_env, log_file=home / "server.log")
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # in-process flows and clients of this session talk to this server
+    os.environ.update(env)  # child processes and in-process clients of this session talk to this server
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     try:
-        yield PrefectAPI(url, home, env)
+        with temporary_settings({PREFECT_API_URL: url}):  # Prefect may have read its settings already
+            yield PrefectAPI(url, home, env)
     finally:
         _stop(proc)
         for k, v in saved.items():
