@@ -26,8 +26,10 @@ PIPELINE_FLAGS = {"hf-checkpoint", "prompt-data", "num-rollout", "save", "load",
 FALLBACK_ENGINE_FLAGS: dict[str, Any] = {
     "input-key": "question", "label-key": "answer", "apply-chat-template": True, "rollout-shuffle": True,
     "rm-type": "gsm8k", "rollout-batch-size": 4, "n-samples-per-prompt": 4, "rollout-max-response-len": 48,
-    "rollout-temperature": 0.7, "lr": 2.0e-6, "eps-clip-high": 0.28, "save-interval": 1,
+    "rollout-temperature": 0.7, "lr": 2.0e-6, "eps-clip-high": 0.28,
 }
+# Checkpoint cadence of the pipeline's default run: an in-chunk checkpoint every 2 rollouts, 2 kept on disk.
+PIPELINE_CHECKPOINT_FLAGS: dict[str, Any] = {"save-interval": 2, "keep-last": 2}
 FALLBACK_NUM_ROLLOUTS = 8
 
 
@@ -46,14 +48,16 @@ def demo_engine_values() -> dict[str, Any]:
 
 class ModelSource(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    source: str = Field("builtin://smollm2-135m-instruct",
+    source: str = Field(default_factory=lambda: demo_engine_values().get("hf-checkpoint",
+                                                                          "builtin://smollm2-135m-instruct"),
                         description="hf://ORG/NAME[@REV], file:///dir, s3://…, obs://… or builtin://NAME",
                         pattern=r"^(hf|file|s3|obs|builtin)://.+|^/.+")
 
 
 class TrainData(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    source: str = Field("builtin://arithmetic", description="prompt dataset (same schemes as the model)",
+    source: str = Field(default_factory=lambda: demo_engine_values().get("prompt-data", "builtin://arithmetic"),
+                        description="prompt dataset (same schemes as the model)",
                         pattern=r"^(hf|file|s3|obs|builtin)://.+|^/.+")
     file: str | None = Field(None, description="the .jsonl/.parquet inside the staged tree (default: its only one)")
 
@@ -65,14 +69,19 @@ class EvalDataset(BaseModel):
     file: str | None = None
 
 
+def _default_eval_sets() -> list[EvalDataset]:
+    """demo-engine.yaml's eval sets (tuned to show learning), else the AIME-shaped built-in set."""
+    pairs = demo_engine_values().get("eval-prompt-data") or ["aime", "builtin://aime-synthetic"]
+    return [EvalDataset(name=n, source=src) for n, src in zip(pairs[0::2], pairs[1::2])]
+
+
 class EvaluationSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    datasets: list[EvalDataset] = Field(
-        default_factory=lambda: [EvalDataset(name="aime", source="builtin://aime-synthetic")])
+    datasets: list[EvalDataset] = Field(default_factory=lambda: _default_eval_sets())
     n_samples: int = Field(4, ge=1, le=1024, description="samples per problem (avg@n, pass@k for k ≤ n)")
-    input_key: str = "prompt"
-    label_key: str = "label"
-    rm_type: str = "math"
+    input_key: str | None = Field(None, description="default: the training data's key")
+    label_key: str | None = None
+    rm_type: str | None = Field(None, description="default: the training reward (--rm-type)")
     max_response_len: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, gt=0)
 
@@ -84,6 +93,7 @@ class EngineSettings(BaseModel):
     flags: dict[str, Any] = Field(default_factory=lambda: {
         **FALLBACK_ENGINE_FLAGS,
         **{k: v for k, v in demo_engine_values().items() if k not in PIPELINE_FLAGS},
+        **PIPELINE_CHECKPOINT_FLAGS,
     })
 
     @field_validator("flags")
