@@ -7,12 +7,15 @@ idempotent by content (an already staged asset is not transferred again), so the
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from prefect import get_run_logger, task
 
 from tasks import images, staging
 from tasks.staging import StagedAsset
+from tasks.storage import open_storage
 
 
 @task(name="check_image", retries=2, retry_delay_seconds=5)
@@ -56,12 +59,23 @@ def convert_checkpoint(model: StagedAsset, train_backend: str, storage_root: str
     if train_backend == "torch":
         return TrainableModel(model.uri, model.manifest_hash, "torch", model)
     if train_backend == "megatron":
-        if importlib.util.find_spec("vime_engine.convert") is None:
-            raise RuntimeError(
-                "--train-backend megatron needs the HF → Megatron conversion (vime_engine.convert), which this "
-                "build does not have yet; train with --train-backend torch")
-        from vime_engine import convert  # provided by the Megatron backend work
-
-        uri, manifest_hash = convert.hf_to_megatron(model.uri, storage_root)
-        return TrainableModel(uri, manifest_hash, "megatron", model)
+        return TrainableModel(*_hf_to_megatron(model, storage_root), "megatron", model)
     raise ValueError(f"unknown train backend {train_backend!r}")
+
+
+def _hf_to_megatron(model: StagedAsset, storage_root: str) -> tuple[str, str]:
+    """Convert the staged HF model to torch_dist (verified by a round trip) and commit it beside the source."""
+    if importlib.util.find_spec("megatron.core") is None:
+        raise RuntimeError(
+            "--train-backend megatron needs megatron-core and megatron-bridge in this environment (the CUDA / NPU "
+            "images, or scripts/ensure-venv-megatron); train with --train-backend torch here")
+    from vime_engine.convert import convert_checkpoint as convert
+    from vime_engine.runtime.devices import resolve_accelerator
+
+    prefix = model.uri.removeprefix(storage_root.rstrip("/") + "/").rstrip("/") + "-megatron"
+    with tempfile.TemporaryDirectory(prefix="vimeflow-convert-") as tmp:
+        hf_dir = staging.fetch(model.uri, Path(tmp) / "hf")
+        result = convert(hf_dir, Path(tmp) / "megatron", "hf_to_megatron", resolve_accelerator())
+        get_run_logger().info("HF → Megatron: max log-prob diff %.2e", result.max_logprob_abs_diff)
+        manifest = open_storage(storage_root).commit_tree(Path(tmp) / "megatron", prefix)
+    return open_storage(storage_root).uri(prefix), manifest.hash
