@@ -184,7 +184,11 @@ SECTIONS: dict[str, type[_Section]] = {
 }
 
 # Fields that do not change the trained weights: they may differ between a checkpoint and the run resuming it.
+# Paths are among them: a resumed chunk may see the same model and data under other paths (another machine, a
+# ModelArts container); content identity is the orchestrator's job (staged manifests in the chunk cache key),
+# and the checkpoint itself refuses a dataset of another size or weights of another shape.
 NON_MATH_FIELDS = {
+    "hf_checkpoint", "ref_load", "prompt_data", "custom_rm_path", "dynamic_sampling_filter_path",
     "num_rollout", "start_rollout_id", "save", "save_interval", "load", "keep_last", "save_hf",
     "output_dir", "use_tensorboard", "use_wandb", "ray_address", "balance_data",
     "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
