@@ -64,7 +64,7 @@ ENTRYPOINT = f"{sys.executable} -m flows.cli modelarts-entrypoint"
 def _submit(api: PrefectAPI, modelarts: ModelArtsServer, moto: str, bucket: str, run_name: str, disk: Path,
             ray_tmp: str, entrypoint: str = ENTRYPOINT) -> tuple[str, dict]:
     """Trigger modelarts-training as the UI does, with the worker's job variables carrying the credentials."""
-    params = tiny_parameters(f"obs://{bucket}/vf")
+    params = tiny_parameters(f"obs://{bucket}/{run_name}")  # a root per run: no chunk comes from another's cache
     params.pop("ray_address", None)
     params["storage"]["run_name"] = run_name
     params["modelarts"] = {
@@ -89,7 +89,7 @@ def _submit(api: PrefectAPI, modelarts: ModelArtsServer, moto: str, bucket: str,
 def _obs(moto: str, bucket: str):
     from tasks.storage_obs import ObsStorage
 
-    return ObsStorage(bucket, "vf", server=moto, access_key=TEST_ACCESS_KEY, secret_key=TEST_SECRET_KEY,
+    return ObsStorage(bucket, "ma-lost", server=moto, access_key=TEST_ACCESS_KEY, secret_key=TEST_SECRET_KEY,
                       region="us-east-1", path_style=True)
 
 
@@ -138,8 +138,9 @@ def test_lost_job_is_resumed_by_a_new_job_and_ends_equal_to_a_local_run(
     # The local run: the same engine job (from the chunk spec the flow wrote), rollouts 0-3 on local Ray.
     spec = ChunkSpec.from_json(root.get_bytes("runs/ma-lost/modelarts/chunk-0000000.json").decode())
     layout = RunLayout(spec.storage_root, "local", str(tmp_path / "local"))
+    for name, value in {**OBS_ENV, "OBS_ENDPOINT": moto_endpoint, "VIMEFLOW_RAY_TMP": ray_tmp}.items():
+        monkeypatch.setenv(name, value)
     flags = localize(spec.job, layout)
-    monkeypatch.setenv("VIMEFLOW_RAY_TMP", ray_tmp)
     t1 = time.monotonic()
     local = run_engine_job({"mode": "train", "flags": flags, "start": 0, "count": 4}, tmp_path / "local" / "job")
     print(f"local reference run took {time.monotonic() - t1:.1f} s")
