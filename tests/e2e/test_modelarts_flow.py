@@ -108,25 +108,30 @@ def test_lost_job_is_resumed_by_a_new_job_and_ends_equal_to_a_local_run(
     assert run["state"]["type"] == "COMPLETED", run["state"]
 
     jobs = sorted(modelarts.jobs.values(), key=lambda j: j.create_time)
-    assert [j.phase for j in jobs] == ["Abnormal", "Completed", "Completed"]
-    assert [j.secondary_phase for j in jobs][0] == "Lost"
     for job in jobs:  # the job body the submitter sent: image, flavor, the entrypoint on the chunk spec
         algorithm = job.body["algorithm"]
         assert algorithm["engine"]["image_url"] == params["modelarts"]["image"]
         assert job.body["spec"]["resource"]["flavor_id"] == "modelarts.vm.cpu.8u"
         assert "modelarts-entrypoint --spec obs://" in algorithm["command"]
         assert "HUAWEICLOUD_SDK_SK" not in algorithm["environments"]  # API credentials stay with the submitter
-    commands = [job.body["algorithm"]["command"] for job in jobs]
-    assert commands[0] == commands[1] and commands[0].endswith("/chunk-0000000.json")  # the lost chunk again
-    assert commands[2].endswith("/chunk-0000002.json")
-    logs = [job.log_path("worker-0").read_text() for job in jobs]
-    assert "starting from the initial model" in logs[0] and "committed rollout_0000001" not in logs[0]
+    first = [j for j in jobs if j.body["algorithm"]["command"].endswith("/chunk-0000000.json")]
+    second = [j for j in jobs if j.body["algorithm"]["command"].endswith("/chunk-0000002.json")]
+    assert len(first) + len(second) == len(jobs)
+    # A loaded machine may also fail a job with exit 3 (e.g. Ray's OOM killer): retried as a new job as well.
+    infra = [j for j in first[:-2] + second[:-1] if j.phase == "Failed" and j.exit_codes == [3]]
+    assert len(infra) == len(first) - 2 + len(second) - 1
+    lost, resumed, last = first[-2], first[-1], second[-1]
+    assert (lost.phase, lost.secondary_phase, resumed.phase, last.phase) == ("Abnormal", "Lost", "Completed", "Completed")
+    logs = [job.log_path("worker-0").read_text() for job in (lost, resumed, last)]
+    assert "starting from the initial model" in logs[0] and "committed rollout_0000000" in logs[0]
+    assert "committed rollout_0000001" not in logs[0]  # killed mid-chunk
     assert "resuming from committed checkpoint rollout 0" in logs[1]
     assert "committed rollout_0000001" in logs[1] and "committed rollout_0000000" not in logs[1]
     assert "resuming from committed checkpoint rollout 1" in logs[2]
 
     tasks = {t["name"]: t for t in task_runs_of(prefect_api, flow_run_id)}
-    assert tasks["submit_modelarts-from-0"]["run_count"] == 2 and tasks["submit_modelarts-from-2"]["run_count"] == 1
+    assert tasks["submit_modelarts-from-0"]["run_count"] == len(first)  # one Prefect attempt per job
+    assert tasks["submit_modelarts-from-2"]["run_count"] == len(second)
 
     root = _obs(moto_endpoint, bucket)
     lineage = json.loads(root.get_bytes("runs/ma-lost/published/lineage.json"))
