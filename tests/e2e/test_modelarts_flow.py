@@ -121,7 +121,8 @@ def test_lost_job_is_resumed_by_a_new_job_and_ends_equal_to_a_local_run(
     infra = [j for j in first[:-2] + second[:-1] if j.phase == "Failed" and j.exit_codes == [3]]
     assert len(infra) == len(first) - 2 + len(second) - 1
     lost, resumed, last = first[-2], first[-1], second[-1]
-    assert (lost.phase, lost.secondary_phase, resumed.phase, last.phase) == ("Abnormal", "Lost", "Completed", "Completed")
+    phases = (lost.phase, lost.secondary_phase, resumed.phase, last.phase)
+    assert phases == ("Abnormal", "Lost", "Completed", "Completed")
     logs = [job.log_path("worker-0").read_text() for job in (lost, resumed, last)]
     assert "starting from the initial model" in logs[0] and "committed rollout_0000000" in logs[0]
     assert "committed rollout_0000001" not in logs[0]  # killed mid-chunk
