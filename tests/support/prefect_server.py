@@ -7,6 +7,8 @@ and in-process flow calls reach it through PREFECT_API_URL, which the fixture se
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import socket
 import subprocess
 import time
@@ -52,12 +54,15 @@ def prefect_api(tmp_path_factory) -> Iterator[PrefectAPI]:
     from flows.deploy import start_server
 
     home = tmp_path_factory.mktemp("prefect-home")
+    # Short on purpose: Ray's unix socket paths under its temp dir must stay within 107 bytes, which
+    # pytest's /tmp/pytest-of-USER/pytest-NN/... base can exceed.
+    ray_tmp = tempfile.mkdtemp(prefix="vfray-", dir="/tmp")
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url,
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "INFO",
            "VIMEFLOW_CACHE": str(tmp_path_factory.mktemp("vimeflow-cache")),
-           "VIMEFLOW_RAY_TMP": str(tmp_path_factory.mktemp("ray"))}
+           "VIMEFLOW_RAY_TMP": ray_tmp}
     server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
     proc = start_server("127.0.0.1", port, server_env, log_file=home / "server.log")
     saved = {k: os.environ.get(k) for k in env}
@@ -69,6 +74,7 @@ def prefect_api(tmp_path_factory) -> Iterator[PrefectAPI]:
             yield PrefectAPI(url, home, env)
     finally:
         _stop(proc)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
