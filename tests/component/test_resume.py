@@ -6,6 +6,7 @@ by tests/support/faults/sitecustomize.py inside a chosen function call of whiche
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -60,12 +61,14 @@ def _run(config: Path, fault: str | None = None, command: list[str] | None = Non
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
                             stdout=open(config.parent / "log.txt", "a"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        if fault and marker.exists():
-            os.killpg(proc.pid, signal.SIGKILL)  # the process that hit the fault is already dead; take the rest
-            proc.wait()
-            return -signal.SIGKILL
+    while proc.poll() is None and time.monotonic() < deadline and not (fault and marker.exists()):
         time.sleep(0.05)
+    if fault and marker.exists():
+        # The process that hit the fault is dead (it may be the driver itself); take the rest of the run.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return -signal.SIGKILL
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"run did not finish in {timeout}s; see {config.parent / 'log.txt'}")
