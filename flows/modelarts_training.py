@@ -18,10 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from flows.params import (
     EngineSettings, EvaluationSettings, ImageCheck, ModelSource, StorageTarget, TrainData, TrainingPlan,
 )
-from flows.rl_pipeline import chunk_ranges, engine_job
+from flows.rl_pipeline import chunk_ranges, prepare_run, publish_run
 from tasks.evaluate import evaluate
-from tasks.pipeline_prepare import check_image, convert_checkpoint, stage_data, stage_model
-from tasks.publish import PublishOutcome, publish
+from tasks.publish import PublishOutcome
 from tasks.result_store import results_block
 from tasks.run_layout import RunLayout
 from tasks.submit_modelarts import ModelArtsSettings, submit_modelarts
@@ -60,40 +59,26 @@ def modelarts_training(
     image: ImageCheck | None = None,
 ) -> PublishOutcome | State:
     """Stage, convert, train chunk by chunk on ModelArts, evaluate and publish one RL post-training run."""
-    root = storage.resolved_root()
-    image_info = check_image(image.reference, image.requirements) if image else None
-
-    model_asset = stage_model.submit(model.source, root)
-    train_asset = stage_data.submit(data.source, root)
-    eval_assets = [stage_data.submit(d.source, root) for d in evaluation.datasets]
-    trainable = convert_checkpoint(model_asset, engine.flags.get("train-backend", "torch"), root)
-
-    job = engine_job(engine, training, evaluation, trainable.uri, trainable.manifest_hash, data,
-                     train_asset.result(), [a.result() for a in eval_assets], ray_address=None)
-    run_name = storage.run_name or job.identity_hash[:12]
-    layout = RunLayout(root, run_name, f"{modelarts.work_dir.rstrip('/')}/{run_name}")  # same path in the jobs
-    results = results_block(root)
+    run = prepare_run(model, data, engine, training, evaluation, storage, image, ray_address=None)
+    run_name = storage.run_name or run.job.identity_hash[:12]
+    layout = RunLayout(run.root, run_name, f"{modelarts.work_dir.rstrip('/')}/{run_name}")  # same path in the jobs
+    results = results_block(run.root)
 
     chunk = submit_modelarts.with_options(retries=training.infrastructure_retries, result_storage=results)
     chunks, previous = [], None
     for start, count in chunk_ranges(training.num_rollouts, training.rollouts_per_chunk):
-        state = chunk(job, layout, start, count, previous, modelarts, return_state=True)
+        state = chunk(run.job, layout, start, count, previous, modelarts, return_state=True)
         if state.is_cancelled():  # the job was terminated on ModelArts: the run ends Cancelled too
             return state
         previous = state.result()
         chunks.append(previous)
 
-    final_eval = evaluate.with_options(result_storage=results)(job, layout, previous)
-    return publish(
-        job, layout, storage.publish_prefix, chunks, final_eval, trainable.staged,
-        [train_asset.result(), *(a.result() for a in eval_assets)],
-        image_info.model_dump() if image_info else None,
-        {"model": model.model_dump(), "data": data.model_dump(), "engine": engine.model_dump(),
-         "training": training.model_dump(), "evaluation": evaluation.model_dump(),
-         "storage": {**storage.model_dump(), "root": root},
-         "modelarts": modelarts.model_dump(exclude={"env"})},
-    )
-
+    final_eval = evaluate.with_options(result_storage=results)(run.job, layout, previous)
+    return publish_run(run, layout, storage, chunks, final_eval, {
+        "model": model.model_dump(), "data": data.model_dump(), "engine": engine.model_dump(),
+        "training": training.model_dump(), "evaluation": evaluation.model_dump(),
+        "modelarts": modelarts.model_dump(exclude={"env"}),
+    })
 
 if __name__ == "__main__":
     import sys

@@ -8,16 +8,20 @@ the flow with the same parameters after a crash, a preemption or a cancel trains
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prefect import flow
 
 from flows.params import (
     EngineSettings, EvaluationSettings, ImageCheck, ModelSource, StorageTarget, TrainData, TrainingPlan,
 )
 from tasks.evaluate import evaluate
-from tasks.pipeline_prepare import check_image, convert_checkpoint, stage_data, stage_model
+from tasks.images import ImageInfo
+from tasks.pipeline_prepare import TrainableModel, check_image, convert_checkpoint, stage_data, stage_model
 from tasks.publish import PublishOutcome, publish
 from tasks.result_store import results_block
-from tasks.run_layout import DatasetRef, EngineJob, make_layout
+from tasks.run_layout import DatasetRef, EngineJob, RunLayout, make_layout
 from tasks.staging import StagedAsset
 from tasks.train_chunk import train_chunk
 
@@ -45,6 +49,44 @@ def chunk_ranges(num_rollouts: int, per_chunk: int) -> list[tuple[int, int]]:
     return [(s, min(per_chunk, num_rollouts - s)) for s in range(0, num_rollouts, per_chunk)]
 
 
+@dataclass
+class PreparedRun:
+    """What the stages before training produce, shared by every flow that trains."""
+
+    root: str
+    image_info: ImageInfo | None
+    trainable: TrainableModel
+    train_asset: StagedAsset
+    eval_assets: list[StagedAsset]
+    job: EngineJob
+
+
+def prepare_run(model: ModelSource, data: TrainData, engine: EngineSettings, training: TrainingPlan,
+                evaluation: EvaluationSettings, storage: StorageTarget, image: ImageCheck | None,
+                ray_address: str | None) -> PreparedRun:
+    """check_image → stage_model ‖ stage_data → convert_checkpoint, and the engine job they define."""
+    root = storage.resolved_root()
+    image_info = check_image(image.reference, image.requirements) if image else None
+    model_asset = stage_model.submit(model.source, root)
+    train_future = stage_data.submit(data.source, root)
+    eval_futures = [stage_data.submit(d.source, root) for d in evaluation.datasets]
+    trainable = convert_checkpoint(model_asset, engine.flags.get("train-backend", "torch"), root)
+    train_asset, eval_assets = train_future.result(), [f.result() for f in eval_futures]
+    job = engine_job(engine, training, evaluation, trainable.uri, trainable.manifest_hash, data,
+                     train_asset, eval_assets, ray_address)
+    return PreparedRun(root, image_info, trainable, train_asset, eval_assets, job)
+
+
+def publish_run(run: PreparedRun, layout: RunLayout, storage: StorageTarget, chunks: list, final_eval: Any,
+                parameters: dict[str, Any]) -> PublishOutcome:
+    """publish, with the lineage every flow records."""
+    return publish(
+        run.job, layout, storage.publish_prefix, chunks, final_eval, run.trainable.staged,
+        [run.train_asset, *run.eval_assets], run.image_info.model_dump() if run.image_info else None,
+        {**parameters, "storage": {**storage.model_dump(), "root": run.root}},
+    )
+
+
 @flow(name="rl-pipeline", log_prints=True)
 def rl_pipeline(
     model: ModelSource = ModelSource(),
@@ -57,35 +99,21 @@ def rl_pipeline(
     image: ImageCheck | None = None,
 ) -> PublishOutcome:
     """Stage, convert, train in resumable chunks, evaluate and publish one RL post-training run."""
-    root = storage.resolved_root()
-    image_info = check_image(image.reference, image.requirements) if image else None
-
-    model_asset = stage_model.submit(model.source, root)
-    train_asset = stage_data.submit(data.source, root)
-    eval_assets = [stage_data.submit(d.source, root) for d in evaluation.datasets]
-    trainable = convert_checkpoint(model_asset, engine.flags.get("train-backend", "torch"), root)
-
-    job = engine_job(engine, training, evaluation, trainable.uri, trainable.manifest_hash, data,
-                     train_asset.result(), [a.result() for a in eval_assets], ray_address)
-    layout = make_layout(root, storage.run_name or job.identity_hash[:12])
-    results = results_block(root)
+    run = prepare_run(model, data, engine, training, evaluation, storage, image, ray_address)
+    layout = make_layout(run.root, storage.run_name or run.job.identity_hash[:12])
+    results = results_block(run.root)
 
     chunk = train_chunk.with_options(retries=training.infrastructure_retries, result_storage=results)
     chunks, previous = [], None
     for start, count in chunk_ranges(training.num_rollouts, training.rollouts_per_chunk):
-        previous = chunk(job, layout, start, count, previous)
+        previous = chunk(run.job, layout, start, count, previous)
         chunks.append(previous)
 
-    final_eval = evaluate.with_options(result_storage=results)(job, layout, previous)
-    return publish(
-        job, layout, storage.publish_prefix, chunks, final_eval, trainable.staged,
-        [train_asset.result(), *(a.result() for a in eval_assets)],
-        image_info.model_dump() if image_info else None,
-        {"model": model.model_dump(), "data": data.model_dump(), "engine": engine.model_dump(),
-         "training": training.model_dump(), "evaluation": evaluation.model_dump(),
-         "storage": {**storage.model_dump(), "root": root}, "ray_address": ray_address},
-    )
-
+    final_eval = evaluate.with_options(result_storage=results)(run.job, layout, previous)
+    return publish_run(run, layout, storage, chunks, final_eval, {
+        "model": model.model_dump(), "data": data.model_dump(), "engine": engine.model_dump(),
+        "training": training.model_dump(), "evaluation": evaluation.model_dump(), "ray_address": ray_address,
+    })
 
 if __name__ == "__main__":
     import sys
