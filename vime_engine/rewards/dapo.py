@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from vime_engine.rewards.grading import normalise_latex
+
 CORRECT = 1.0
 INCORRECT = -1.0
 # DAPO looks only at the response's tail: the answer line is required to be the last line.
@@ -47,17 +49,11 @@ def answer_line(response: str) -> str | None:
 def normalise_answer(text: str) -> str:
     """Reduce a final answer to a canonical string.
 
-    Keeps the part after the last `=`, unwraps `\\boxed{}`, `\\text{}`, `\\textbf{}` and
-    `\\mathrm{}`, drops `$`, whitespace, LaTeX spacing commands and a trailing period, maps
-    `\\dfrac`/`\\tfrac` to `\\frac`, and removes thousands separators from plain numbers.
+    Keeps the part after the last `=`, unwraps `\\boxed{}`, `\\textbf{}` and `\\mathrm{}`, then applies the
+    shared LaTeX normalisation (`\\text{}`, `$`, spacing, `\\dfrac`/`\\tfrac`, a trailing period, thousands
+    separators; see `grading.normalise_latex`).
     """
     s = text.split("=")[-1]
-    for command in ("boxed", "text", "textbf", "mathrm"):
+    for command in ("boxed", "textbf", "mathrm"):
         s = re.sub(r"\\" + command + r"\{([^{}]*)\}", r"\1", s)
-    for token in ("$", "\\!", "\\,", "\\;", "\\ "):
-        s = s.replace(token, "")
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = re.sub(r"\s+", "", s).rstrip(".")
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
-        s = s.replace(",", "")
-    return s
+    return normalise_latex(s)

@@ -44,7 +44,7 @@ def answers_match(answer: str, gold: str) -> bool:
     answer_value = _sympy_value(answer)
     if gold_value is not None and answer_value is not None:
         return bool(sympy.simplify(gold_value - answer_value) == 0)
-    return _normalise(answer) == _normalise(gold)
+    return normalise_latex(answer) == normalise_latex(gold)
 
 
 def _in_main_thread() -> bool:
@@ -74,7 +74,7 @@ def _math_verify_equal(gold_parsed: list, answer_parsed: list) -> bool:
         return False
 
 
-def _normalise(text: str) -> str:
+def normalise_latex(text: str) -> str:
     """Strip the LaTeX decoration that does not change a value: `$`, spacing, `\\left`/`\\right`,
     `\\dfrac`/`\\tfrac`, `\\text{}`, a trailing period, thousands separators."""
     s = re.sub(r"\\text\{([^{}]*)\}", r"\1", text)
@@ -90,7 +90,7 @@ def _normalise(text: str) -> str:
 def _to_python_arithmetic(latex: str) -> str:
     """Rewrite the numeric LaTeX subset into Python syntax: `\\frac{a}{b}` → `(a)/(b)`,
     `\\sqrt{a}` → `sqrt(a)`, `\\cdot`/`\\times` → `*`, `\\pi` → `pi`, remaining braces → parens."""
-    s = _normalise(latex)
+    s = normalise_latex(latex)
     s = s.replace("\\cdot", "*").replace("\\times", "*").replace("\\pi", "pi")
     # Innermost first, so nested fractions unwind one level per pass.
     frac = re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}")
