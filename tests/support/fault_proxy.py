@@ -20,8 +20,10 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlsplit
+
+from tests.support.http_server import BackgroundHTTPServer
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "expect", "upgrade", "te"}
 _AK_RE = re.compile(r"Credential=([^/,\s]+)/|^(?:AWS|OBS) ([^:\s]+):")
@@ -60,7 +62,7 @@ def is_upload_part(method: str, path: str, query: dict) -> bool:
     return method == "PUT" and "partNumber" in query and "uploadId" in query
 
 
-class FaultProxy:
+class FaultProxy(BackgroundHTTPServer):
     def __init__(self, upstream: str):
         u = urlsplit(upstream)
         self.upstream_host, self.upstream_port = u.hostname, u.port
@@ -68,21 +70,7 @@ class FaultProxy:
         self.allowed_keys: set[str] | None = None
         self.log: list[Exchange] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_port}"
-
-    def start(self) -> "FaultProxy":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(self._handler_class())
 
     def reset(self) -> None:
         with self._lock:

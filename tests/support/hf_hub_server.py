@@ -20,8 +20,10 @@ import json
 import re
 import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote, urlsplit
+
+from tests.support.http_server import BackgroundHTTPServer
 
 _API = re.compile(r"^/api/(models|datasets)/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+)(?:/(.*))?)?$")
 _RESOLVE = re.compile(r"^/(datasets/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
@@ -40,26 +42,12 @@ class Repo:
         return self.refs.get(rev) or (rev if rev in self.commits else None)
 
 
-class HfHubServer:
+class HfHubServer(BackgroundHTTPServer):
     def __init__(self):
         self.repos: dict[tuple[str, str], Repo] = {}
         self.requests: list[tuple[str, str]] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_port}"
-
-    def start(self) -> "HfHubServer":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(self._handler_class())
 
     def add_revision(self, repo_type: str, repo_id: str, files: dict[str, bytes], branch: str = "main",
                      tags: tuple[str, ...] = ()) -> str:
