@@ -57,11 +57,6 @@ class MetricsSink:
         tmp.write_text("".join(json.dumps(record, sort_keys=True) + "\n" for record in history))
         tmp.replace(self.path)
 
-    def history(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()

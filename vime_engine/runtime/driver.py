@@ -36,7 +36,7 @@ def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: Roll
     end = cfg.rollout.num_rollout if end_rollout_id is None else end_rollout_id
     with ray_cluster(cfg.placement.ray_address), PreemptionGuard() as preemption:
         ctx = RunContext.open(cfg, Workers(cfg, resolve_accelerator(cfg.placement.device)))
-        state, workers, result = ctx.state, ctx.workers, RunResult(history=list(ctx.state.history))
+        state, workers, result = ctx.state, ctx.workers, RunResult()
         workers.sync_weights(state.weight_version)  # the engine serves the trainer's (possibly resumed) weights
         if state.next_rollout_id == 0 and cfg.eval_datasets:
             ctx.log_eval(-1, run_evaluations(cfg, workers, rollout_id=-1))  # the baseline before training
