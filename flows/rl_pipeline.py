@@ -21,7 +21,7 @@ from tasks.images import ImageInfo
 from tasks.pipeline_prepare import TrainableModel, check_image, convert_checkpoint, stage_data, stage_model
 from tasks.publish import PublishOutcome, publish
 from tasks.result_store import results_block
-from tasks.run_layout import DatasetRef, EngineJob, RunLayout, make_layout
+from tasks.run_layout import DatasetRef, EngineJob, RunLayout, bind_work_dir, make_layout
 from tasks.staging import StagedAsset
 from tasks.train_chunk import train_chunk
 
@@ -101,6 +101,7 @@ def rl_pipeline(
     """Stage, convert, train in resumable chunks, evaluate and publish one RL post-training run."""
     run = prepare_run(model, data, engine, training, evaluation, storage, image, ray_address)
     layout = make_layout(run.root, storage.run_name or run.job.identity_hash[:12])
+    bind_work_dir(layout)
     results = results_block(run.root)
 
     chunk = train_chunk.with_options(retries=training.infrastructure_retries, result_storage=results)

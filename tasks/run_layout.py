@@ -8,12 +8,19 @@ saved into its checkpoints (it refuses to resume under different values of field
 from __future__ import annotations
 
 import hashlib
+import logging
+import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tasks.staging import fetch
+from tasks.storage import open_storage
 from vime_engine.assets import cache_dir
+
+log = logging.getLogger(__name__)
+RUN_ID_FILE = "run-id"
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -37,6 +44,31 @@ class RunLayout:
 def make_layout(storage_root: str, run_name: str) -> RunLayout:
     root_tag = hashlib.sha256(storage_root.encode()).hexdigest()[:8]
     return RunLayout(storage_root, run_name, str(cache_dir() / "work" / f"{root_tag}-{run_name}"))
+
+
+def bind_work_dir(layout: RunLayout) -> None:
+    """Make the local work directory belong to the run that the storage prefix holds now.
+
+    The work directory caches the run's storage prefix and keeps in-chunk checkpoints not uploaded yet. If
+    the prefix was removed to start over, the work directory of the earlier run would make chunks look
+    finished; an id kept on both sides tells a re-run of the same run from a new run under the same name.
+    """
+    storage = open_storage(layout.storage_root).child(layout.run_prefix)
+    if storage.exists(RUN_ID_FILE):
+        run_id = storage.get_bytes(RUN_ID_FILE).decode()
+    else:
+        run_id = uuid.uuid4().hex
+        storage.put_bytes(RUN_ID_FILE, run_id.encode())
+    work_dir = Path(layout.work_dir)
+    marker = work_dir / RUN_ID_FILE
+    if marker.is_file() and marker.read_text() == run_id:
+        return
+    if work_dir.exists():
+        log.warning("%s belongs to an earlier run whose storage prefix %s is gone: starting it afresh",
+                    work_dir, storage.uri())
+        shutil.rmtree(work_dir)
+    work_dir.mkdir(parents=True)
+    marker.write_text(run_id)
 
 
 @dataclass(frozen=True)

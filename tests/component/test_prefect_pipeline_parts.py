@@ -75,3 +75,25 @@ def test_regression_diff_names_what_left_its_band():
     assert diff.startswith("**2 of 3 metric(s) outside their band**")
     assert "| ❌ | reward_last | 0.3 | 0.5 | [0.4, 0.5] | -0.1 under |" in diff
     assert "| ❌ | eval/aime final | — | 0.2 | [0.1, 0.3] | missing |" in diff
+
+
+def test_work_dir_of_a_run_whose_storage_was_removed_starts_afresh(tmp_path, monkeypatch):
+    import shutil
+
+    from tasks.run_layout import bind_work_dir, make_layout
+
+    monkeypatch.setenv("VIMEFLOW_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "runs-root"
+    root.mkdir()
+    layout = make_layout(root.as_uri(), "demo")
+    bind_work_dir(layout)
+    checkpoint = tmp_path / "cache" / "work" / layout.work_dir.rsplit("/", 1)[1] / "checkpoints" / "rollout_0000003"
+    checkpoint.mkdir(parents=True)
+
+    bind_work_dir(layout)  # a re-run of the same run keeps its in-chunk checkpoints
+    assert checkpoint.is_dir()
+
+    shutil.rmtree(root)  # the user starts over
+    root.mkdir()
+    bind_work_dir(layout)
+    assert not checkpoint.exists()
