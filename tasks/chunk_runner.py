@@ -38,7 +38,7 @@ def _train(cfg, job: dict[str, Any]) -> dict[str, Any]:
     from vime_engine import checkpoint as ckpt
     from vime_engine.chunk import run_chunk
 
-    before = ckpt.find_latest(cfg.checkpoint.save)
+    before = ckpt.find_latest(cfg.checkpoint.save, content=False)
     result = run_chunk(cfg, int(job["start"]), int(job["count"]))
     return {**asdict(result), "resumed_from": before.rollout_id if before is not None else None}
 

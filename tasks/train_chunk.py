@@ -65,7 +65,7 @@ def _ensure_input_checkpoint(save_dir: Path, previous: ChunkOutcome | None) -> N
     """Make the previous chunk's end checkpoint available locally (another machine may have trained it)."""
     if previous is None:
         return
-    found = ckpt.find_latest(save_dir)
+    found = ckpt.find_latest(save_dir, content=False)
     if found is not None and found.rollout_id >= previous.last_rollout:
         return
     target = ckpt.checkpoint_dir(save_dir, previous.last_rollout)

@@ -3,14 +3,19 @@
 Layout under the checkpoint root:
 
     rollout_0000007/
-        model.safetensors, trainer.pt     written by the training backend (weights; optimizer, scheduler, RNG)
+        model.safetensors, trainer.*      written by the training backend (weights; optimizer, scheduler, RNG)
         driver.json                       data cursor, weight version, metrics history, config and its hash
         buffer.pkl                        samples carried over to the next rollout (dynamic sampling)
         manifest.json                     written last: every file's size and sha256
     LATEST                                "rollout_0000007", replaced atomically after the manifest is on disk
 
-A directory without a valid manifest is not a checkpoint. Loading walks back from LATEST (or the newest
+A directory without a valid manifest is not a checkpoint. `find_latest` walks back from LATEST (or the newest
 directory) to the newest checkpoint whose files match their manifest and says which it skipped and why.
+
+Checking sha256 costs a full read, so the resume path does it in the read that loads the files:
+`candidates` yields checkpoints whose manifest and file sizes are right, and the loader checks each file's
+sha256 as it reads it (a mismatch raises CheckpointError and the next candidate is tried). Likewise the
+backend returns the digests it computed while writing, and `commit` hashes only the other files.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vime_engine.manifest import MANIFEST_NAME, Manifest, build_manifest, verify_local_tree
+from vime_engine.manifest import (
+    MANIFEST_NAME, ChecksumMismatch, FileEntry, Manifest, build_manifest, read_verified, verify_local_tree,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +59,15 @@ class CheckpointRef:
     def manifest_hash(self) -> str:
         return self.manifest.hash
 
+    def read_verified(self, rel: str) -> bytes:
+        """One file's bytes, checked against the manifest (CheckpointError naming the file if they differ)."""
+        try:
+            return read_verified(self.path / rel, self.manifest.files[rel])
+        except (ChecksumMismatch, KeyError, OSError) as exc:
+            raise CheckpointError(f"{self.path}: {rel}: {exc}") from None
+
     def driver_state(self) -> dict[str, Any]:
-        return json.loads((self.path / DRIVER_STATE).read_text())
+        return json.loads(self.read_verified(DRIVER_STATE))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -82,14 +97,20 @@ def staging_dir(root: Path, rollout_id: int) -> Path:
     return staged
 
 
-def commit(root: Path, staged: Path, rollout_id: int, driver_state: dict[str, Any], keep_last: int | None) -> CheckpointRef:
-    """Write driver state, fsync every file, write the manifest, move into place, then move LATEST."""
+def commit(root: Path, staged: Path, rollout_id: int, driver_state: dict[str, Any], keep_last: int | None,
+           written: dict[str, FileEntry] | None = None) -> CheckpointRef:
+    """Write driver state, fsync, write the manifest, move into place, then move LATEST.
+
+    `written`: entries of files already fsynced and hashed while they were written (not read again).
+    """
     root = Path(root)
+    written = dict(written or {})
     (staged / DRIVER_STATE).write_text(json.dumps(driver_state, sort_keys=True, indent=1))
-    for f in staged.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    manifest = build_manifest(staged, meta={"rollout_id": rollout_id})
+    for f in staged.rglob("*"):
+        if f.is_file() and f.relative_to(staged).as_posix() not in written:
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    manifest = build_manifest(staged, meta={"rollout_id": rollout_id}, known=written)
     _write_atomic(staged / MANIFEST_NAME, manifest.to_bytes())
     final = checkpoint_dir(root, rollout_id)
     if final.exists():  # an invalid leftover of an earlier attempt at this rollout
@@ -114,8 +135,12 @@ def _rollout_ids(root: Path) -> list[int]:
     return [int(m.group(1)) for p in Path(root).iterdir() if (m := _DIR_RE.match(p.name)) and p.is_dir()]
 
 
-def validate(path: Path) -> CheckpointRef:
-    """The checkpoint at `path`, or CheckpointError saying why it is not one."""
+def validate(path: Path, content: bool = True) -> CheckpointRef:
+    """The checkpoint at `path`, or CheckpointError saying why it is not one.
+
+    `content=False` checks the manifest and every file's presence and size but not its sha256 (for callers
+    that only need to know how far a run got, or that check the hashes as they read the files).
+    """
     m = _DIR_RE.match(path.name)
     if not m:
         raise CheckpointError(f"{path}: not a rollout_NNNNNNN directory")
@@ -126,27 +151,35 @@ def validate(path: Path) -> CheckpointRef:
         manifest = Manifest.from_bytes(manifest_path.read_bytes())
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{path}: unreadable {MANIFEST_NAME}: {exc}") from None
-    bad = verify_local_tree(path, manifest)
+    if content:
+        bad = verify_local_tree(path, manifest)
+    else:
+        bad = [rel for rel, e in sorted(manifest.files.items())
+               if not (path / rel).is_file() or (path / rel).stat().st_size != e.size]
     if bad:
         raise CheckpointError(f"{path}: files missing or not matching the manifest: {', '.join(bad)}")
     return CheckpointRef(path, int(m.group(1)), manifest)
 
 
-def find_latest(root: Path | str | None) -> CheckpointRef | None:
-    """The newest valid checkpoint under `root` (None if there is none), reporting any it had to skip."""
+def candidates(root: Path | str | None, content: bool = False) -> Iterator[CheckpointRef]:
+    """Valid checkpoints under `root`, newest first (LATEST first), reporting each one skipped and why."""
     if root is None or not Path(root).is_dir():
-        return None
+        return
     root = Path(root)
-    candidates = sorted(_rollout_ids(root), reverse=True)
+    ids = sorted(_rollout_ids(root), reverse=True)
     pointer = root / LATEST
     if pointer.is_file():
         m = _DIR_RE.match(pointer.read_text().strip())
-        if m and int(m.group(1)) in candidates:  # LATEST first; newer unpointed dirs are unfinished saves
+        if m and int(m.group(1)) in ids:  # LATEST first; newer unpointed dirs are unfinished saves
             latest = int(m.group(1))
-            candidates = [latest] + [i for i in candidates if i < latest]
-    for rollout_id in candidates:
+            ids = [latest] + [i for i in ids if i < latest]
+    for rollout_id in ids:
         try:
-            return validate(checkpoint_dir(root, rollout_id))
+            yield validate(checkpoint_dir(root, rollout_id), content)
         except CheckpointError as exc:
             log.warning("skipping checkpoint: %s", exc)
-    return None
+
+
+def find_latest(root: Path | str | None, content: bool = True) -> CheckpointRef | None:
+    """The newest valid checkpoint under `root` (None if there is none), reporting any it had to skip."""
+    return next(candidates(root, content), None)

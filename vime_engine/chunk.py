@@ -34,7 +34,9 @@ def run_chunk(config: EngineConfig, start_rollout_id: int, num_rollouts: int) ->
         raise ConfigError(
             f"chunk {start_rollout_id}..{end - 1} runs past --num-rollout {config.rollout.num_rollout}"
         )
-    found = ckpt.find_latest(config.checkpoint.save) or ckpt.find_latest(config.checkpoint.load)
+    # How far the run got; the files' hashes are checked when the run loads them.
+    found = (ckpt.find_latest(config.checkpoint.save, content=False)
+             or ckpt.find_latest(config.checkpoint.load, content=False))
     done_until = found.rollout_id + 1 if found is not None else 0
     if done_until < start_rollout_id:
         raise ConfigError(

@@ -148,6 +148,10 @@ def sha256_file(path: Path) -> str:
     return sha.hexdigest()
 
 
+def file_entry(path: Path) -> FileEntry:
+    return FileEntry(path.stat().st_size, sha256_file(path))
+
+
 def list_tree(local_dir: Path) -> dict[str, Path]:
     """Regular files under ``local_dir`` by posix relpath, excluding a top-level manifest.json."""
     local_dir = Path(local_dir)
@@ -170,9 +174,29 @@ def digest_tree(local_dir: Path, part_size_of=part_size_for, workers: int = 4) -
         return dict(zip(files.keys(), digests))
 
 
-def build_manifest(local_dir: Path, meta: dict[str, Any] | None = None) -> Manifest:
-    digests = digest_tree(local_dir)
-    return Manifest(files={k: d.entry for k, d in digests.items()}, meta=dict(meta or {}))
+def build_manifest(local_dir: Path, meta: dict[str, Any] | None = None,
+                   known: dict[str, FileEntry] | None = None) -> Manifest:
+    """The manifest of `local_dir`; files in `known` (hashed as they were written) are not read again."""
+    known = known or {}
+    files = list_tree(local_dir)
+    if set(known) - set(files):
+        raise ValueError(f"{local_dir}: no such files to take digests for: {sorted(set(known) - set(files))}")
+    todo = [rel for rel in files if rel not in known]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        hashed = dict(zip(todo, pool.map(lambda rel: file_entry(files[rel]), todo)))
+    return Manifest(files={**hashed, **known}, meta=dict(meta or {}))
+
+
+class ChecksumMismatch(ValueError):
+    """A file's bytes do not match the size or sha256 its manifest entry records."""
+
+
+def read_verified(path: Path, expected: FileEntry) -> bytes:
+    """The file's bytes, after checking them against `expected` (ChecksumMismatch naming the file if not)."""
+    data = Path(path).read_bytes()
+    if len(data) != expected.size or hashlib.sha256(data).hexdigest() != expected.sha256:
+        raise ChecksumMismatch(f"{path}: bytes differ from the manifest (the file is corrupt)")
+    return data
 
 
 def verify_local_tree(local_dir: Path, manifest: Manifest) -> list[str]:

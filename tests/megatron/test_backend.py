@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.megatron.helpers import fixed_rollout, tiny_config
+from vime_engine.manifest import build_manifest
 from vime_engine.train.megatron_backend import MegatronTrainBackend
 from vime_engine.train.torch_backend import TorchTrainBackend
 
@@ -50,7 +51,7 @@ def test_resume_from_dist_checkpoint_is_exact(tiny_qwen3, tmp_path):
     uninterrupted = _weights(first)
 
     resumed = MegatronTrainBackend(cfg)
-    resumed.load_state(tmp_path / "state")
+    resumed.load_state(tmp_path / "state", build_manifest(tmp_path / "state").files)
     resumed.train_rollout(samples)
     for name, tensor in _weights(resumed).items():
         assert torch.equal(tensor, uninterrupted[name]), name

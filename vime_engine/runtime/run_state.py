@@ -14,6 +14,7 @@ from vime_engine import checkpoint as ckpt
 from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.data.datasets import load_prompt_dataset
 from vime_engine.data.source import DataSource
+from vime_engine.manifest import ChecksumMismatch
 from vime_engine.evaluation import summarize, write_results
 from vime_engine.metrics import MetricsSink
 from vime_engine.rollout.dynamic_sampling import CarryOver, GroupFilter, load_group_filter
@@ -56,10 +57,15 @@ class RunContext:
                           shuffle=d.rollout_shuffle, seed=d.rollout_seed)
         sink = MetricsSink(cfg.logging.output_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb)
         state = RunState()
-        found = ckpt.find_latest(cfg.checkpoint.load or cfg.checkpoint.save)
-        if found is not None:
-            state = _restore(cfg, found, workers, data)
+        # The sha256 of each file is checked as it is loaded; a corrupt newest checkpoint falls back to the next.
+        for found in ckpt.candidates(cfg.checkpoint.load or cfg.checkpoint.save):
+            try:
+                state = _restore(cfg, found, workers, data)
+            except ckpt.CheckpointError as exc:
+                log.warning("skipping checkpoint: %s", exc)
+                continue
             log.info("resuming from %s at rollout %d", found.path, state.next_rollout_id)
+            break
         if cfg.checkpoint.start_rollout_id is not None:
             state.next_rollout_id = cfg.checkpoint.start_rollout_id
         sink.rewrite(state.history)  # drop lines logged after the checkpoint by an interrupted run
@@ -108,7 +114,7 @@ class RunContext:
     def save(self, rollout_id: int) -> ckpt.CheckpointRef:
         root = Path(self.cfg.checkpoint.save)
         staged = ckpt.staging_dir(root, rollout_id)
-        self.workers.trainer_call("save_state", str(staged))
+        written = self.workers.trainer_call("save_state", str(staged))
         with open(staged / BUFFER_FILE, "wb") as f:
             pickle.dump(self.state.carry, f)
         cursor, groups_drawn = self._cursor_before_prefetch or (self.data.state_dict(), self.state.groups_drawn)
@@ -122,7 +128,7 @@ class RunContext:
             "math_fields": self.cfg.math_fields(),
             "config_hash": self.cfg.math_hash(),
         }
-        ref = ckpt.commit(root, staged, rollout_id, _json_safe(driver_state), self.cfg.checkpoint.keep_last)
+        ref = ckpt.commit(root, staged, rollout_id, _json_safe(driver_state), self.cfg.checkpoint.keep_last, written)
         log.info("saved %s", ref.path)
         return ref
 
@@ -139,10 +145,12 @@ def _restore(cfg: EngineConfig, found: ckpt.CheckpointRef, workers: Workers, dat
             + "\n  ".join(diff)
             + "\nuse the checkpoint's values, or start a fresh run with another --save directory"
         )
-    workers.trainer_call("load_state", str(found.path))
+    carry = pickle.loads(found.read_verified(BUFFER_FILE))
+    try:
+        workers.trainer_call("load_state", str(found.path), found.manifest.files)
+    except ChecksumMismatch as exc:  # raised in the trainer's process, checked while loading
+        raise ckpt.CheckpointError(str(exc)) from None
     data.load_state_dict(saved["data_cursor"])
-    with open(found.path / BUFFER_FILE, "rb") as f:
-        carry = pickle.load(f)
     return RunState(
         next_rollout_id=saved["rollout_id"] + 1, weight_version=saved["weight_version"],
         groups_drawn=saved["groups_drawn"], carry=carry, history=saved["history"],

@@ -15,7 +15,7 @@ micro-batches: both are undone).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -25,6 +25,7 @@ from torch import Tensor
 
 from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
 from vime_engine.config import EngineConfig
+from vime_engine.manifest import ChecksumMismatch, FileEntry, Manifest, verify_local_tree
 from vime_engine.runtime.devices import prepare_accelerator, resolve_accelerator
 from vime_engine.sample import Sample
 from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference, response_log_probs
@@ -241,14 +242,19 @@ class MegatronTrainBackend:
             "scheduler": self.scheduler.state_dict(),
         }
 
-    def save_state(self, directory: str | Path) -> Path:
-        """Model, optimizer and LR schedule as a torch_dist checkpoint in `directory` (collective)."""
-        directory = Path(directory)
-        self.mm.save_torch_dist(self._sharded_state(is_loading=False), directory)
-        return directory
+    def save_state(self, directory: str | Path) -> dict[str, FileEntry]:
+        """Model, optimizer and LR schedule as a torch_dist checkpoint in `directory` (collective). Returns no
+        digests: the checkpoint's manifest hashes the files torch_dist wrote."""
+        self.mm.save_torch_dist(self._sharded_state(is_loading=False), Path(directory))
+        return {}
 
-    def load_state(self, directory: str | Path) -> None:
-        loaded = self.mm.load_torch_dist(self._sharded_state(is_loading=True), Path(directory))
+    def load_state(self, directory: str | Path, expected: Mapping[str, FileEntry]) -> None:
+        """Load after checking the files against `expected` (torch_dist reads them itself, so first)."""
+        directory = Path(directory)
+        bad = verify_local_tree(directory, Manifest(files=dict(expected)))
+        if bad:
+            raise ChecksumMismatch(f"{directory}: files differ from the manifest: {', '.join(bad)}")
+        loaded = self.mm.load_torch_dist(self._sharded_state(is_loading=True), directory)
         for i, chunk in enumerate(self.model):
             self.mm.unwrap(chunk).load_state_dict(loaded["model" if len(self.model) == 1 else f"model{i}"])
         self.optimizer.load_state_dict(loaded["optimizer"])

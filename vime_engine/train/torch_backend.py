@@ -7,8 +7,9 @@ named-tensor stream in HF names for the rollout engine, a resumable `state_dict`
 
 from __future__ import annotations
 
+import io
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -16,9 +17,16 @@ from torch import Tensor, nn
 
 from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
 from vime_engine.config import EngineConfig
+from vime_engine.manifest import ChecksumMismatch, FileEntry, read_verified
 from vime_engine.sample import Sample
 from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference, response_log_probs
+from vime_engine.tensor_files import join_tensors, read_tensors, split_tensors, write_tensors
 from vime_engine.train.rollout_batch import RolloutBatch, build_rollout_batch, global_batches
+
+# The files of the resumable state (the checkpoint's trainer part).
+MODEL_FILE = "model.safetensors"
+TRAINER_TENSORS_FILE = "trainer.safetensors"  # optimizer moments, critic weights
+TRAINER_STATE_FILE = "trainer.pt"  # the rest: param groups, scheduler, RNG states (small)
 
 
 class ValueHead(nn.Module):
@@ -165,33 +173,56 @@ class TorchTrainBackend:
         return directory
 
     # -- resumable state ----------------------------------------------------------------------------------------
-    def save_state(self, directory: str | Path) -> None:
-        """Weights as safetensors; optimizer, scheduler, critic and this process's RNG states beside them."""
-        from safetensors.torch import save_model
-
+    def save_state(self, directory: str | Path) -> dict[str, FileEntry]:
+        """Weights and the optimizer/critic tensors as safetensors, the small rest (param groups, scheduler, RNG)
+        pickled beside them; returns the digests computed while writing, so the manifest needs no re-read."""
         directory = Path(directory)
-        save_model(self.model, str(directory / "model.safetensors"))
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "critic": self.critic.state_dict() if self.critic is not None else None,
-                "rng": capture_rng_state(),
-            },
-            directory / "trainer.pt",
-        )
+        skeleton, tensors = split_tensors({
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "critic": self.critic.state_dict() if self.critic is not None else None,
+        })
+        digests = {
+            MODEL_FILE: write_tensors(directory / MODEL_FILE, _unaliased(self.model.state_dict()), {"format": "pt"}),
+            TRAINER_TENSORS_FILE: write_tensors(directory / TRAINER_TENSORS_FILE, tensors),
+        }
+        torch.save({"skeleton": skeleton, "rng": capture_rng_state()}, directory / TRAINER_STATE_FILE)
+        return digests
 
-    def load_state(self, directory: str | Path) -> None:
-        from safetensors.torch import load_model
-
+    def load_state(self, directory: str | Path, expected: Mapping[str, FileEntry]) -> None:
+        """Load what `save_state` wrote; each file's sha256 is checked against `expected` while it is read."""
         directory = Path(directory)
-        load_model(self.model, str(directory / "model.safetensors"))
-        state = torch.load(directory / "trainer.pt", weights_only=False)
+        weights = read_tensors(directory / MODEL_FILE, expected[MODEL_FILE])
+        tensors = read_tensors(directory / TRAINER_TENSORS_FILE, expected[TRAINER_TENSORS_FILE])
+        rest = torch.load(io.BytesIO(read_verified(directory / TRAINER_STATE_FILE, expected[TRAINER_STATE_FILE])),
+                          weights_only=False)
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        if unexpected or set(missing) - set(_aliases(self.model.state_dict())):
+            raise ChecksumMismatch(f"{directory / MODEL_FILE}: does not hold this model's weights "
+                                   f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        state = join_tensors(rest["skeleton"], tensors)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
-        restore_rng_state(state["rng"])
+        restore_rng_state(rest["rng"])
+
+
+def _aliases(state: dict[str, Tensor]) -> list[str]:
+    """Names whose tensor is the same storage as an earlier name's (tied embeddings): saved once."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    aliases = []
+    for name, t in state.items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in seen:
+            aliases.append(name)
+        seen.add(key)
+    return aliases
+
+
+def _unaliased(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    drop = set(_aliases(state))
+    return {k: v for k, v in state.items() if k not in drop}
 
 
 def capture_rng_state() -> dict:
