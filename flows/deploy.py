@@ -21,6 +21,7 @@ WORK_POOL = "vimeflow-process"
 HEARTBEAT_TIMEOUT = timedelta(seconds=90)  # three missed heartbeats at PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30
 ZOMBIE_AUTOMATION = "vimeflow: mark flow runs without heartbeats crashed"
 RERUN_AUTOMATION = "vimeflow: re-run crashed rl-pipeline runs"
+CRASH_RERUN_LIMIT = 3  # re-runs of one flow run; a run that crashes more often has no passing cause
 
 
 def _prefect(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:
@@ -72,7 +73,8 @@ def apply_deployments(env: dict[str, str] | None = None) -> None:
 
 def create_automations() -> list[str]:
     """(1) a flow run whose heartbeats stop is marked Crashed; (2) a crashed rl-pipeline run is scheduled
-    again (same flow run, same parameters: its finished chunks come back from the cache)."""
+    again (same flow run, same parameters: its finished chunks come back from the cache), at most
+    CRASH_RERUN_LIMIT times: the flow itself refuses to start once more (`refuse_endless_reruns`)."""
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
@@ -108,6 +110,16 @@ def create_automations() -> list[str]:
                                     message="re-run after a crash; finished chunks come back from the cache")],
     ).create()
     return [str(zombie.id), str(rerun.id)]
+
+
+def refuse_endless_reruns(run_count: int, limit: int = CRASH_RERUN_LIMIT) -> None:
+    """Called first in a flow run the crash automation may re-run: its run count says how often it started."""
+    if run_count > limit + 1:
+        raise RuntimeError(
+            f"this flow run has started {run_count} times (re-run after crashes, limit {limit}): something "
+            "kills it every time, so it is not a passing fault. Read the logs of the earlier attempts, fix the "
+            "cause and start a new run (finished chunks come back from the cache)"
+        )
 
 
 def ui_url(api_url: str) -> str:

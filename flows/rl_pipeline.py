@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow
+from prefect.runtime import flow_run
 
+from flows.deploy import refuse_endless_reruns
 from flows.params import (
     EngineSettings, EvaluationSettings, ImageCheck, ModelSource, StorageTarget, TrainData, TrainingPlan,
 )
@@ -99,6 +101,7 @@ def rl_pipeline(
     image: ImageCheck | None = None,
 ) -> PublishOutcome:
     """Stage, convert, train in resumable chunks, evaluate and publish one RL post-training run."""
+    refuse_endless_reruns(flow_run.run_count)
     run = prepare_run(model, data, engine, training, evaluation, storage, image, ray_address)
     layout = make_layout(run.root, storage.run_name or run.job.identity_hash[:12])
     bind_work_dir(layout)

@@ -97,3 +97,12 @@ def test_work_dir_of_a_run_whose_storage_was_removed_starts_afresh(tmp_path, mon
     root.mkdir()
     bind_work_dir(layout)
     assert not checkpoint.exists()
+
+
+def test_a_flow_run_that_keeps_crashing_is_not_rerun_forever():
+    from flows.deploy import CRASH_RERUN_LIMIT, refuse_endless_reruns
+
+    for run_count in range(1, CRASH_RERUN_LIMIT + 2):  # the first start and every allowed re-run
+        refuse_endless_reruns(run_count)
+    with pytest.raises(RuntimeError, match=f"started {CRASH_RERUN_LIMIT + 2} times"):
+        refuse_endless_reruns(CRASH_RERUN_LIMIT + 2)
