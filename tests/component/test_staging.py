@@ -161,3 +161,18 @@ def test_source_parsing():
         parse_source("hf://just-a-name", "model")
     with pytest.raises(ValueError):
         parse_source("ftp://x/y", "model")
+
+
+def test_builtin_model_comes_from_the_machine_cache_and_an_older_builders_copy_is_rebuilt(tmp_path, monkeypatch):
+    from vime_engine.models.builtin import BUILDER_VERSION
+
+    monkeypatch.setenv("VIMEFLOW_CACHE", str(tmp_path / "cache"))
+    first = stage_model("builtin://tiny-qwen3", (tmp_path / "root-a").as_uri())
+    cached = tmp_path / "cache" / "models" / "tiny-qwen3"
+    marker = cached / ".vimeflow-builtin.json"
+    assert json.loads(marker.read_text())["builder_version"] == BUILDER_VERSION
+
+    (cached / "config.json").write_text("{}")  # what an older builder might have left
+    marker.write_text(json.dumps({"builtin": "tiny-qwen3"}))
+    again = stage_model("builtin://tiny-qwen3", (tmp_path / "root-b").as_uri())
+    assert again.revision == first.revision, "the stale copy was used instead of being rebuilt"

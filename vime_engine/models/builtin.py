@@ -22,6 +22,8 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 _COMPLETE_MARKER = ".vimeflow-builtin.json"
+# Bump when a builder's output changes: directories materialized by an older builder are then rebuilt.
+BUILDER_VERSION = 2
 
 
 def _tiny_corpus() -> list[str]:
@@ -125,13 +127,14 @@ def materialize_builtin_model(name: str, dest: Path) -> Path:
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r}; known: {', '.join(BUILTIN_MODELS)}")
     dest = Path(dest)
-    if (dest / _COMPLETE_MARKER).is_file():
+    marker = json.dumps({"builtin": name, "builder_version": BUILDER_VERSION})
+    if (dest / _COMPLETE_MARKER).is_file() and (dest / _COMPLETE_MARKER).read_text() == marker:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}.") as tmp:
         staged = Path(tmp) / "model"
         BUILTIN_MODELS[name][1](staged)
-        (staged / _COMPLETE_MARKER).write_text(json.dumps({"builtin": name}))
+        (staged / _COMPLETE_MARKER).write_text(marker)
         if dest.exists():
             shutil.rmtree(dest)
         staged.rename(dest)
