@@ -15,7 +15,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 # name: (built-in model, prompts per rollout, samples per prompt, max response tokens)
 CONFIGS = {
@@ -25,10 +26,26 @@ CONFIGS = {
 PARTS = [("rollout", "perf/rollout_time"), ("train", "perf/train_time"), ("sync", "perf/update_weights_time")]
 
 
-def main() -> None:
+def engine_config(name: str, cache: Path, **overrides):
+    """The bench configuration `name` (see CONFIGS) on built-in model and data, materialized under `cache`."""
     from vime_engine.config import build_config
     from vime_engine.data.synthetic import materialize_builtin_dataset
     from vime_engine.models.builtin import materialize_builtin_model
+
+    model, prompts, n, max_len = CONFIGS[name]
+    return build_config([], **{
+        "hf-checkpoint": str(materialize_builtin_model(model, cache / model)),
+        "prompt-data": str(materialize_builtin_dataset("arithmetic", cache / "data")),
+        "input-key": "question", "label-key": "answer", "apply-chat-template": True,
+        "rollout-batch-size": prompts, "n-samples-per-prompt": n,
+        "rollout-max-response-len": max_len, "global-batch-size": prompts * n, "micro-batch-size": n,
+        "lr": 1e-5, "vllm-kv-cache-gb": 0.5,
+        "custom-rm-path": str(REPO / "tests/support/tiny_task.py") + ":digit_share",
+        **overrides,
+    })
+
+
+def main() -> None:
     from vime_engine.runtime.cluster import ray_cluster
     from vime_engine.runtime.driver import train
 
@@ -39,18 +56,11 @@ def main() -> None:
     parser.add_argument("--colocate", action="store_true", help="one actor for trainer and engine")
     args = parser.parse_args()
 
-    data = materialize_builtin_dataset("arithmetic", args.cache / "data")
     with ray_cluster(num_cpus=4):
         for name in args.configs:
-            model, prompts, n, max_len = CONFIGS[name]
-            cfg = build_config([], **{
-                "hf-checkpoint": str(materialize_builtin_model(model, args.cache / model)), "prompt-data": str(data),
-                "input-key": "question", "label-key": "answer", "apply-chat-template": True,
-                "num-rollout": args.num_rollout, "rollout-batch-size": prompts, "n-samples-per-prompt": n,
-                "rollout-max-response-len": max_len, "global-batch-size": prompts * n, "micro-batch-size": n,
-                "lr": 1e-5, "vllm-kv-cache-gb": 0.5, "colocate": args.colocate,
-                "custom-rm-path": "tests/support/tiny_task.py:digit_share", "output-dir": str(args.cache / "steps"),
-            })
+            _, prompts, n, max_len = CONFIGS[name]
+            cfg = engine_config(name, args.cache, **{"num-rollout": args.num_rollout, "colocate": args.colocate,
+                                                     "output-dir": str(args.cache / "steps")})
             history = train(cfg).history
             for row in history:
                 parts = "  ".join(f"{part} {row[key]:7.3f} s" for part, key in PARTS)
