@@ -69,6 +69,7 @@ class Storage(ABC):
     multipart_threshold: int = 8 << 20
     max_attempts: int = 5
     retry_base_delay: float = 0.2
+    etags: bool = True  # objects carry MD5-based ETags (S3, OBS): uploads send and check part MD5s
 
     # ---- primitives (keys relative to the root) -----------------------------------------------------------
     @abstractmethod
@@ -117,7 +118,7 @@ class Storage(ABC):
     # ---- single objects -----------------------------------------------------------------------------------
     def put_file(self, local: Path, key: str) -> FileDigest:
         local = Path(local)
-        digest = digest_file(local, part_size_for(local.stat().st_size, self.multipart_threshold))
+        digest = self.digest(local)
         self._put_file(local, key, digest)
         return digest
 
@@ -148,9 +149,14 @@ class Storage(ABC):
         self._retry(lambda: self.put_bytes(key, data))
 
     # ---- trees --------------------------------------------------------------------------------------------
+    def digest(self, local: Path) -> FileDigest:
+        """What uploading `local` here needs to know: size, sha256 and (where ETags exist) the part MD5s."""
+        return digest_file(local, part_size_for(local.stat().st_size, self.multipart_threshold),
+                           part_md5s=self.etags)
+
     def digest_tree(self, local_dir: Path) -> dict[str, FileDigest]:
         """Digests of every file, cut into this storage's part size (what commit_tree would compute)."""
-        return digest_tree(Path(local_dir), lambda n: part_size_for(n, self.multipart_threshold))
+        return digest_tree(Path(local_dir), self.digest)
 
     def put_tree(self, local_dir: Path, prefix: str, digests: dict[str, FileDigest] | None = None,
                  skip_existing: bool = False) -> TreeUpload:
@@ -165,8 +171,7 @@ class Storage(ABC):
         remote = {o.key: o for o in self.list(dir_prefix(prefix))} if skip_existing else {}
 
         def one(rel: str, path: Path) -> tuple[FileDigest, bool]:
-            d = digests[rel] if digests else digest_file(path, part_size_for(path.stat().st_size,
-                                                                                self.multipart_threshold))
+            d = digests[rel] if digests else self.digest(path)
             key = join_key(prefix, rel)
             if skip_existing and self._object_matches(remote.get(key), d):
                 return d, False
@@ -265,6 +270,8 @@ def _local_matches(path: Path, size: int, sha256: str) -> bool:
 
 class LocalStorage(Storage):
     """``file://`` roots: a directory. Writes go to a temporary name and are renamed into place."""
+
+    etags = False
 
     def __init__(self, root: Path, max_concurrency: int = 8):
         self.root = Path(root).resolve()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -115,8 +116,14 @@ def part_size_for(size: int, min_part: int = 8 << 20, max_parts: int = 10_000) -
     return max(min_part, -(-need // (1 << 20)) * (1 << 20))
 
 
-def digest_file(path: Path, part_size: int) -> FileDigest:
-    """One sequential read: sha256 of the whole file and md5 of every ``part_size`` slice."""
+def digest_file(path: Path, part_size: int, part_md5s: bool = True) -> FileDigest:
+    """One sequential read: sha256 of the whole file and md5 of every ``part_size`` slice.
+
+    Without ``part_md5s`` (stores without ETags) only the sha256 is computed: md5 is the slower of the two.
+    """
+    if not part_md5s:
+        return FileDigest(size=Path(path).stat().st_size, sha256=sha256_file(path), part_size=part_size,
+                          part_md5s=())
     sha = hashlib.sha256()
     md5s: list[str] = []
     size = 0
@@ -166,12 +173,11 @@ def list_tree(local_dir: Path) -> dict[str, Path]:
     return out
 
 
-def digest_tree(local_dir: Path, part_size_of=part_size_for, workers: int = 4) -> dict[str, FileDigest]:
-    """Digest every file of the tree in parallel (hashlib releases the GIL on large updates)."""
+def digest_tree(local_dir: Path, digest: Callable[[Path], FileDigest], workers: int = 4) -> dict[str, FileDigest]:
+    """`digest` of every file of the tree, in parallel (hashlib releases the GIL on large updates)."""
     files = list_tree(local_dir)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        digests = pool.map(lambda p: digest_file(p, part_size_of(p.stat().st_size)), files.values())
-        return dict(zip(files.keys(), digests))
+        return dict(zip(files.keys(), pool.map(digest, files.values())))
 
 
 def build_manifest(local_dir: Path, meta: dict[str, Any] | None = None,
