@@ -44,17 +44,21 @@ def generated_tokens(rows: list[list[int]], eos: int | None) -> int:
 
 
 def bench_vllm(model_path: Path, prompts, n: int, max_tokens: int, temperature: float, repeat: int) -> float:
-    from vime_engine.rollout.vllm_engine import EngineSettings, SamplingSettings, VLLMEngine
+    from vime_engine.rollout.vllm_engine import EngineSettings, Request, SamplingSettings, VLLMEngine
 
     engine = VLLMEngine(EngineSettings(str(model_path), kv_cache_bytes=1 << 30))
     sampling = SamplingSettings(max_tokens=max_tokens, temperature=temperature)
-    engine.generate(prompts, n, sampling, seeds=list(range(len(prompts))))  # warm-up at the timed shape
+
+    def requests(seed: int) -> list[Request]:
+        return [Request(f"{i}/{j}", p, max_tokens, seed + i * n + j) for i, p in enumerate(prompts) for j in range(n)]
+
+    engine.generate(requests(0), sampling)  # warm-up at the timed shape
     best = 0.0
     for r in range(repeat):
         start = time.perf_counter()
-        groups = engine.generate(prompts, n, sampling, seeds=[r * 1000 + i for i in range(len(prompts))])
+        completions = engine.generate(requests(r * 1000 + 1), sampling)
         seconds = time.perf_counter() - start
-        tokens = sum(len(c.token_ids) for g in groups for c in g)
+        tokens = sum(len(c.token_ids) for c in completions)
         best = max(best, tokens / seconds)
     del engine
     return best

@@ -24,6 +24,14 @@ def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
     }
 
 
+def version_metrics(samples: list[Sample], policy_version: int) -> dict[str, float]:
+    """How far behind the trained policy (`policy_version`) the weights that generated the samples were."""
+    return {
+        "rollout/max_staleness": float(max(policy_version - s.weight_version for s in samples)),
+        "rollout/mixed_version_samples": sum(len(s.version_segments) > 1 for s in samples),
+    }
+
+
 class MetricsSink:
     def __init__(self, output_dir: str | Path, use_tensorboard: bool = False, use_wandb: bool = False):
         self.dir = Path(output_dir)

@@ -10,15 +10,17 @@ from typing import Any
 class SampleStatus(str, enum.Enum):
     COMPLETED = "completed"  # the model emitted EOS / a stop string
     TRUNCATED = "truncated"  # hit the response length limit
-    ABORTED = "aborted"  # cut off by the end of a rollout (partial rollout); resumable
+    ABORTED = "aborted"  # not finished: cut off by the end of a rollout (partial rollout), or not yet started
 
 
 @dataclass
 class Sample:
     """One response to one prompt, with everything the trainer and the metrics need.
 
-    `group_index` ties the n samples drawn for one prompt together (GRPO groups);
-    `weight_version` is the trainer step whose weights generated the response.
+    `group_index` ties the n samples drawn for one prompt together (GRPO groups).
+    `version_segments` says which weights generated the response: (weight version, number of tokens) in
+    generation order. It has one entry unless the response was cut off and continued after a weight update
+    (`--partial-rollout`); `rollout_log_probs` are per token, each under the version that sampled it.
     """
 
     group_index: int
@@ -31,8 +33,17 @@ class Sample:
     loss_mask: list[int] = field(default_factory=list)
     reward: float = 0.0
     status: SampleStatus = SampleStatus.COMPLETED
-    weight_version: int = 0
+    version_segments: list[tuple[int, int]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def weight_version(self) -> int:
+        """The trainer step whose weights generated the first response token: the oldest, so the staleness."""
+        return self.version_segments[0][0]
+
+    @property
+    def finished(self) -> bool:
+        return self.status != SampleStatus.ABORTED
 
     @property
     def response_length(self) -> int:

@@ -103,8 +103,8 @@ def test_kills_during_generation_optimizer_step_and_checkpoint_write_resume_bit_
 ):
     _, ref_weights, ref_history = reference
     config = _write_config(tmp_path, base_config)
-    # Rollout 1's generation (the 2nd generate call of the first process).
-    _run(config, fault="vime_engine.rollout.vllm_engine:VLLMEngine.generate:2")
+    # Rollout 1's generation (the 2nd round submitted to vLLM by the first process).
+    _run(config, fault="vime_engine.rollout.vllm_engine:VLLMEngine.submit:2")
     assert find_latest(tmp_path / "ckpt").rollout_id == 0
     # Resumed at rollout 1 (2 optimizer steps); killed inside rollout 2's first optimizer step.
     _run(config, fault="torch.optim.adamw:AdamW.step:3")

@@ -48,19 +48,24 @@ def _samples(engine, model: str, seed: int):
     from transformers import AutoTokenizer
 
     from tests.support.tiny_task import digit_share
-    from vime_engine.rollout.vllm_engine import SamplingSettings
+    from vime_engine.rollout.vllm_engine import Request, SamplingSettings
     from vime_engine.sample import Sample
 
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {a + 3}?"}],
-                                       add_generation_prompt=True, tokenize=True) for a in range(8)]
-    groups = engine.generate(prompts, n=4, sampling=SamplingSettings(max_tokens=48), seeds=[seed + i for i in range(8)])
-    return [
-        Sample(group_index=g, prompt="", label="", prompt_tokens=list(prompts[g]), response_tokens=c.token_ids,
-               response=c.text, rollout_log_probs=c.log_probs, loss_mask=[1] * len(c.token_ids),
-               reward=digit_share(c.text, ""), status=c.status)
-        for g, group in enumerate(groups) for c in group  # all 32: GRPO groups and the batch size need them
-    ]
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {a + 3}?"}],
+                                            add_generation_prompt=True, tokenize=True)) for a in range(8)]
+    # All 32 (8 prompts x 4 samples): GRPO groups and the batch size need them.
+    requests = [Request(f"{g}/{j}", prompts[g], 48, seed + g + j) for g in range(8) for j in range(4)]
+    samples = []
+    for c in engine.generate(requests, SamplingSettings(max_tokens=48)):
+        g = int(c.key.split("/")[0])
+        text = tok.decode(c.token_ids, skip_special_tokens=True)
+        samples.append(Sample(
+            group_index=g, prompt="", label="", prompt_tokens=prompts[g], response_tokens=c.token_ids,
+            response=text, rollout_log_probs=c.log_probs, loss_mask=[1] * len(c.token_ids),
+            reward=digit_share(text, ""), status=c.status, version_segments=[(engine.weight_version, len(c.token_ids))],
+        ))
+    return samples
 
 
 def phase_rollout(model: str, work: Path, two_gpus: bool) -> None:

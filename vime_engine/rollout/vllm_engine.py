@@ -34,16 +34,33 @@ class SamplingSettings:
     top_k: int = -1
 
 
+@dataclass(frozen=True)
+class Request:
+    """One response to generate; `key` names it in the completions, `seed` fixes its randomness."""
+
+    key: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    seed: int
+
+
 @dataclass
 class Completion:
+    """What a request generated: all of it once finished, or what it had when aborted (status ABORTED)."""
+
+    key: str
     token_ids: list[int]
-    text: str
     log_probs: list[float]
     status: SampleStatus
 
 
 class VLLMEngine:
-    """One vLLM engine; generation is deterministic given (weights, prompt, seed)."""
+    """One vLLM engine, driven step by step: submit requests, `step()` until they finish, or `abort()` them.
+
+    Generation is deterministic given (weights, the submitted requests in order, their seeds): vLLM's step
+    loop schedules the same batches, so where an abort falls between steps is deterministic too. Responses
+    are returned as token ids; their text is the caller's to decode (it may join several segments).
+    """
 
     def __init__(self, settings: EngineSettings):
         from vllm import LLM
@@ -70,23 +87,59 @@ class VLLMEngine:
             **extra,
         )
         self.weight_version = 0
+        self._so_far: dict[str, tuple[list[int], list[float]]] = {}  # running requests' tokens and log-probs
 
-    def generate(
-        self, prompts: list[list[int]], n: int, sampling: SamplingSettings, seeds: list[int]
-    ) -> list[list[Completion]]:
-        """`n` completions for each tokenized prompt; `seeds[i]` fixes the randomness of prompt i's group."""
+    @property
+    def running(self) -> bool:
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    def submit(self, requests: list[Request], sampling: SamplingSettings) -> None:
+        """Queue `requests` (n=1 each); nothing runs until `step()`."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
 
-        params = [
-            SamplingParams(
-                n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=sampling.top_k, seed=seed, logprobs=0,
+        if self.running:
+            raise RuntimeError("requests are still running: finish or abort them before submitting more")
+        for r in requests:
+            params = SamplingParams(
+                n=1, max_tokens=r.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k, seed=r.seed, logprobs=0, detokenize=False,
+                # Every step reports each running request's new tokens: an abort keeps what they had.
+                output_kind=RequestOutputKind.DELTA,
             )
-            for seed in seeds
-        ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [[_completion(c) for c in out.outputs] for out in outputs]
+            self.llm.llm_engine.add_request(r.key, tokens_input(r.prompt_token_ids), params)
+            self._so_far[r.key] = ([], [])
+
+    def step(self) -> list[Completion]:
+        """One engine step; the requests that finished in it."""
+        finished = []
+        for out in self.llm.llm_engine.step():
+            choice = out.outputs[0]
+            tokens, log_probs = self._so_far[out.request_id]
+            tokens += choice.token_ids
+            log_probs += [entry[tok].logprob for entry, tok in zip(choice.logprobs, choice.token_ids)]
+            if out.finished:
+                del self._so_far[out.request_id]
+                status = SampleStatus.TRUNCATED if choice.finish_reason == "length" else SampleStatus.COMPLETED
+                finished.append(Completion(out.request_id, tokens, log_probs, status))
+        return finished
+
+    def abort(self) -> list[Completion]:
+        """Abort every running request; what each had generated, in submission order."""
+        cut = [Completion(key, tokens, log_probs, SampleStatus.ABORTED)
+               for key, (tokens, log_probs) in self._so_far.items()]
+        self.llm.llm_engine.abort_request(list(self._so_far))
+        self._so_far.clear()
+        return cut
+
+    def generate(self, requests: list[Request], sampling: SamplingSettings) -> list[Completion]:
+        """Every request run to completion, in request order."""
+        self.submit(requests, sampling)
+        done: dict[str, Completion] = {}
+        while self.running:
+            done.update((c.key, c) for c in self.step())
+        return [done[r.key] for r in requests]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """Load new weights in place; returns seconds taken. Cached prefixes of old weights are dropped."""
@@ -103,10 +156,3 @@ def _model_max_positions(model_path: str) -> int:
 
     config = json.loads((Path(model_path) / "config.json").read_text())
     return int(config.get("max_position_embeddings", 2048))
-
-
-def _completion(choice) -> Completion:
-    token_ids = list(choice.token_ids)
-    log_probs = [entry[tok].logprob for entry, tok in zip(choice.logprobs, token_ids)]
-    status = SampleStatus.TRUNCATED if choice.finish_reason == "length" else SampleStatus.COMPLETED
-    return Completion(token_ids=token_ids, text=choice.text, log_probs=log_probs, status=status)

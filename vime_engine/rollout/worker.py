@@ -1,7 +1,10 @@
 """RolloutWorker: prompts in, rewarded Samples out. Runs inside a Ray actor (or beside the trainer).
 
-Randomness is pinned per prompt: the seed of a prompt's group is derived from (rollout seed, rollout id,
-position in the rollout), so a rollout generated again after a resume draws exactly the same samples.
+Generation is a stream of rounds: `begin` a round (partial groups to continue, then fresh prompts),
+`advance` it until more groups have finished, and `abort` what still runs (partial rollout), or run it to
+the end (`generate`). Randomness is pinned per group: sample j of group g generated in rollout r draws from
+seed `group_seed(rollout seed, namespace, r, g) + j`, so a rollout generated again after a resume draws
+exactly the same samples.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import torch
 from vime_engine.config import EngineConfig
 from vime_engine.data.chat import render_prompt
 from vime_engine.data.records import PromptRecord
-from vime_engine.rewards import extract_answer, get_reward_fn
-from vime_engine.rollout.vllm_engine import EngineSettings, SamplingSettings, VLLMEngine
-from vime_engine.sample import Sample
+from vime_engine.rewards import RewardFn, extract_answer, get_reward_fn
+from vime_engine.rollout.partial import continuation, extend
+from vime_engine.rollout.vllm_engine import Completion, EngineSettings, Request, SamplingSettings, VLLMEngine
+from vime_engine.sample import Sample, SampleStatus
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,15 @@ def engine_settings(cfg: EngineConfig, kv_cache_bytes: int | None) -> EngineSett
     )
 
 
+@dataclass
+class _Round:
+    """The open round: how to reward it, and its groups by index (removed as they finish)."""
+
+    rm_type: str
+    reward_fn: RewardFn
+    groups: dict[int, list[Sample]]
+
+
 class RolloutWorker:
     def __init__(self, cfg: EngineConfig, kv_cache_bytes: int | None = None):
         from transformers import AutoTokenizer
@@ -61,6 +74,7 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.engine = VLLMEngine(engine_settings(cfg, kv_cache_bytes))
         self.reward_fn = get_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path)
+        self._round: _Round | None = None
 
     @property
     def weight_version(self) -> int:
@@ -70,31 +84,78 @@ class RolloutWorker:
         text = render_prompt(record, self.tokenizer, self.cfg.data.apply_chat_template)
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def begin(
+        self, records: list[PromptRecord], resumed: list[list[Sample]], rollout_id: int, first_group: int,
+        plan: GenerationPlan,
+    ) -> None:
+        """Start a round: the unfinished samples of `resumed` groups first, then a group per record (numbered
+        from `first_group`); nothing is generated until `advance`."""
+        groups = resumed + [self._new_group(r, first_group + i, plan.n_samples) for i, r in enumerate(records)]
+        requests = []
+        for group in groups:
+            seed = group_seed(self.cfg.data.rollout_seed, plan.seed_namespace, rollout_id, group[0].group_index)
+            for j, sample in enumerate(group):
+                if not sample.finished:
+                    prompt, budget = continuation(sample, plan.sampling.max_tokens)
+                    requests.append(Request(f"{sample.group_index}/{j}", prompt, budget, seed + j))
+        self.engine.submit(requests, plan.sampling)
+        self._round = _Round(
+            plan.rm_type or self.cfg.reward.rm_type,
+            get_reward_fn(plan.rm_type) if plan.rm_type else self.reward_fn,
+            {group[0].group_index: group for group in groups},
+        )
+
+    def advance(self) -> list[list[Sample]]:
+        """Engine steps until at least one more group has finished, or nothing runs; those groups, rewarded,
+        by group index."""
+        done: list[int] = []
+        while not done and self.engine.running:
+            for c in self.engine.step():
+                if (index := self._record(c)) is not None:
+                    done.append(index)
+        return [self._round.groups.pop(g) for g in sorted(done)]
+
+    def abort(self) -> list[list[Sample]]:
+        """Abort what still runs; the unfinished groups with what they have so far (finished samples kept)."""
+        for c in self.engine.abort():
+            self._record(c)
+        unfinished, self._round = list(self._round.groups.values()), None
+        return unfinished
+
     def generate(
         self, records: list[PromptRecord], rollout_id: int, first_group: int, plan: GenerationPlan
     ) -> list[Sample]:
-        """`plan.n_samples` rewarded samples per record; groups numbered from `first_group`."""
-        rm_type = plan.rm_type or self.cfg.reward.rm_type
-        reward_fn = get_reward_fn(plan.rm_type) if plan.rm_type else self.reward_fn
-        prompts = [self.tokenize(r) for r in records]
-        seeds = [
-            group_seed(self.cfg.data.rollout_seed, plan.seed_namespace, rollout_id, first_group + i)
-            for i in range(len(records))
+        """`plan.n_samples` rewarded samples per record, in record order: a round run to the end."""
+        self.begin(records, [], rollout_id, first_group, plan)
+        groups = []
+        while finished := self.advance():
+            groups += finished
+        return [s for group in sorted(groups, key=lambda g: g[0].group_index) for s in group]
+
+    def _new_group(self, record: PromptRecord, index: int, n: int) -> list[Sample]:
+        text, tokens = self.tokenize(record)
+        return [
+            Sample(group_index=index, prompt=text, label=record.label, prompt_tokens=tokens,
+                   status=SampleStatus.ABORTED, metadata=dict(record.metadata))
+            for _ in range(n)
         ]
-        groups = self.engine.generate([tokens for _, tokens in prompts], plan.n_samples, plan.sampling, seeds)
-        samples = []
-        for i, (record, (text, tokens), completions) in enumerate(zip(records, prompts, groups)):
-            for c in completions:
-                samples.append(
-                    Sample(
-                        group_index=first_group + i, prompt=text, label=record.label, prompt_tokens=tokens,
-                        response_tokens=c.token_ids, response=c.text, rollout_log_probs=c.log_probs,
-                        loss_mask=[1] * len(c.token_ids), reward=float(reward_fn(c.text, record.label)),
-                        status=c.status, weight_version=self.engine.weight_version,
-                        metadata={**record.metadata, "extracted_answer": extract_answer(rm_type, c.text)},
-                    )
-                )
-        return samples
+
+    def _record(self, c: Completion) -> int | None:
+        """Fold a completion into its sample (rewarded once finished); its group's index if that finished."""
+        index, j = map(int, c.key.split("/"))
+        group = self._round.groups[index]
+        sample = extend(group[j], c.token_ids, c.log_probs, c.status, self.engine.weight_version)
+        group[j] = self._rewarded(sample) if sample.finished else sample
+        return index if sample.finished and all(s.finished for s in group) else None
+
+    def _rewarded(self, sample: Sample) -> Sample:
+        # Decoded here, not by vLLM, since a continued response spans several requests; decoded as vLLM would
+        # (special tokens skipped, spaces left alone).
+        text = self.tokenizer.decode(sample.response_tokens, skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
+        sample.response, sample.reward = text, float(self._round.reward_fn(text, sample.label))
+        sample.metadata = {**sample.metadata, "extracted_answer": extract_answer(self._round.rm_type, text)}
+        return sample
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int) -> float:
         if isinstance(named_tensors, dict):
