@@ -51,7 +51,9 @@ class RolloutConfig(_Section):
     rollout_top_k: int = Field(-1, description="-1 disables top-k")
     over_sampling_batch_size: int | None = Field(None, ge=1, description="prompts generated per draw when filtering")
     dynamic_sampling_filter_path: str | None = Field(None, description="module:function or file.py:function")
-    partial_rollout: bool = False
+    partial_rollout: bool = Field(
+        False, description="stop generating once the batch is full; unfinished groups continue next rollout"
+    )
     rollout_num_gpus: int | None = None
     rollout_num_gpus_per_engine: int = 1
     vllm_gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
@@ -306,15 +308,21 @@ def _check_combinations(cfg: EngineConfig) -> None:
         )
     if cfg.placement.async_rollout and cfg.placement.colocate:
         raise ConfigError("--async-rollout needs the rollout engine on its own actor: drop --colocate")
-    if r.partial_rollout:
-        raise ConfigError(
-            "--partial-rollout is not supported yet: every request runs to completion, so nothing is cut off; "
-            "use --over-sampling-batch-size, whose surplus groups carry over to the next rollout"
-        )
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError(
             f"--over-sampling-batch-size {r.over_sampling_batch_size} must be >= --rollout-batch-size "
             f"{r.rollout_batch_size}"
+        )
+    if r.partial_rollout and (r.over_sampling_batch_size or 0) <= r.rollout_batch_size:
+        raise ConfigError(
+            "--partial-rollout cuts off the groups still generating once --rollout-batch-size groups are done, "
+            "so it needs more in flight: set --over-sampling-batch-size larger than --rollout-batch-size "
+            f"{r.rollout_batch_size}"
+        )
+    if r.partial_rollout and cfg.placement.async_rollout:
+        raise ConfigError(
+            "--partial-rollout watches each round from the driver to cut it off when the batch is full, while "
+            "--async-rollout generates the next rollout unwatched during training: use one of them"
         )
     if r.vllm_max_model_len is not None and r.rollout_max_response_len >= r.vllm_max_model_len:
         raise ConfigError(

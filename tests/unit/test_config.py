@@ -74,11 +74,21 @@ def test_missing_required_flags_are_listed():
     (["--save-interval", "2"], "--save-interval needs --save DIR"),
     (["--eval-prompt-data", "aime"], "--eval-prompt-data takes pairs"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c"),
-    (["--partial-rollout"], "--partial-rollout is not supported yet"),
+    (["--partial-rollout"], "set --over-sampling-batch-size larger than --rollout-batch-size"),
+    (["--partial-rollout", "--rollout-batch-size", "4", "--over-sampling-batch-size", "4"],
+     "--partial-rollout cuts off"),
+    (["--partial-rollout", "--rollout-batch-size", "4", "--over-sampling-batch-size", "6", "--async-rollout"],
+     "--async-rollout generates the next rollout unwatched"),
 ])
 def test_impossible_combinations(flags, message):
     with pytest.raises(ConfigError, match=message):
         build_config(flags, **REQUIRED)
+
+
+def test_partial_rollout_needs_over_sampling_and_runs_with_it():
+    cfg = build_config(["--partial-rollout", "--rollout-batch-size", "4", "--over-sampling-batch-size", "6"],
+                       **REQUIRED)
+    assert cfg.rollout.partial_rollout and "partial_rollout" in cfg.math_fields()
 
 
 def test_yaml_then_flags(tmp_path):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vime_engine.config import EngineConfig
-from vime_engine.metrics import rollout_metrics
+from vime_engine.metrics import rollout_metrics, version_metrics
 from vime_engine.rollout.dynamic_sampling import collect_groups
 from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.devices import resolve_accelerator
@@ -44,7 +44,7 @@ def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: Roll
         for rollout_id in range(state.next_rollout_id, end):
             t0 = time.perf_counter()
             collected = collect_groups(
-                lambda round_: ctx.generate_round(rollout_id, round_),
+                lambda round_, resumed: ctx.start_round(rollout_id, round_, resumed),
                 cfg.rollout.rollout_batch_size, ctx.group_filter, state.carry,
             )
             samples = collected.samples
@@ -59,8 +59,9 @@ def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: Roll
 
             metrics = {
                 **rollout_metrics(samples),
+                **version_metrics(samples, state.weight_version - 1),  # the version just trained from
+                **collected.metrics(),
                 **train_metrics,
-                **{f"rollout/dropped_groups/{reason}": n for reason, n in collected.drops.items()},
                 "perf/rollout_time": t1 - t0,
                 "perf/train_time": t2 - t1,
                 "perf/update_weights_time": t3 - t2,

@@ -13,11 +13,14 @@ import ray
 from vime_engine import checkpoint as ckpt
 from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.data.datasets import load_prompt_dataset
+from vime_engine.data.records import PromptRecord
 from vime_engine.data.source import DataSource
 from vime_engine.manifest import ChecksumMismatch
 from vime_engine.evaluation import summarize, write_results
 from vime_engine.metrics import MetricsSink
-from vime_engine.rollout.dynamic_sampling import CarryOver, GroupFilter, load_group_filter
+from vime_engine.rollout.dynamic_sampling import (
+    CarryOver, FinishedRound, GroupFilter, RoundStream, load_group_filter,
+)
 from vime_engine.rollout.vllm_engine import SamplingSettings
 from vime_engine.rollout.worker import GenerationPlan, train_plan
 from vime_engine.runtime.workers import Workers
@@ -72,22 +75,28 @@ class RunContext:
         return cls(cfg, workers, data, sink, state)
 
     # -- generation ---------------------------------------------------------------------------------------------
-    def _start_generation(self, rollout_id: int):
-        records = self.data.next_batch(self.draw_size)
+    def _draw(self, resumed: int) -> tuple[list[PromptRecord], int]:
+        """Fresh prompts to fill a round of `draw_size` groups beside `resumed` partial ones; the first's number."""
+        records = self.data.next_batch(self.draw_size - resumed) if resumed < self.draw_size else []
         first_group = self.state.groups_drawn
         self.state.groups_drawn += len(records)
-        return self.workers.generate(records, rollout_id, first_group, self.plan)
+        return records, first_group
 
     def prefetch(self, rollout_id: int) -> None:
         """Start the first generation round of `rollout_id` now (async mode), remembering the cursor before it."""
         self._cursor_before_prefetch = (self.data.state_dict(), self.state.groups_drawn)
-        self._prefetched = (rollout_id, self._start_generation(rollout_id))
+        records, first_group = self._draw(0)
+        self._prefetched = (rollout_id, self.workers.generate(records, rollout_id, first_group, self.plan))
 
-    def generate_round(self, rollout_id: int, round_: int) -> list[Sample]:
+    def start_round(self, rollout_id: int, round_: int, resumed: list[list[Sample]]) -> RoundStream:
+        """The next round of `rollout_id`: watched as it runs with --partial-rollout, else generated whole."""
         if round_ == 0 and self._prefetched is not None and self._prefetched[0] == rollout_id:
             future, self._prefetched, self._cursor_before_prefetch = self._prefetched[1], None, None
-            return ray.get(future)
-        return ray.get(self._start_generation(rollout_id))
+            return FinishedRound(ray.get(future))
+        records, first_group = self._draw(len(resumed))
+        if self.cfg.rollout.partial_rollout:
+            return self.workers.stream(records, resumed, rollout_id, first_group, self.plan)
+        return FinishedRound(ray.get(self.workers.generate(records, rollout_id, first_group, self.plan)))
 
     # -- bookkeeping --------------------------------------------------------------------------------------------
     def log_rollout(self, rollout_id: int, metrics: dict[str, Any]) -> None:

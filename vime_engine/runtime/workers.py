@@ -3,7 +3,8 @@
 Colocated: one actor holds both; weights move in process memory. Disaggregated: a trainer actor and a rollout
 actor; weights move through Ray's object store or a bucketed collective broadcast (`--weight-sync`, see
 vime_engine.weight_sync.strategies).
-Both return Ray futures for generation so the driver can overlap generation with training (async mode).
+Both return Ray futures for generation so the driver can overlap generation with training (async mode), and
+both stream a round group by group for partial rollout (`Workers.stream`).
 """
 
 from __future__ import annotations
@@ -85,8 +86,30 @@ class ColocatedActor(TrainerActor):
     def generate(self, records, rollout_id, first_group, plan) -> list[Sample]:
         return self.rollout.generate(records, rollout_id, first_group, plan)
 
+    def begin(self, records, resumed, rollout_id, first_group, plan) -> None:
+        self.rollout.begin(records, resumed, rollout_id, first_group, plan)
+
+    def advance(self) -> list[list[Sample]]:
+        return self.rollout.advance()
+
+    def abort(self) -> list[list[Sample]]:
+        return self.rollout.abort()
+
     def sync_weights(self, version: int) -> float:
         return self.rollout.update_weights(self.backend.named_weights(), version)
+
+
+class EngineRound:
+    """A round running on the rollout actor (a `RoundStream`): each call is one round trip."""
+
+    def __init__(self, rollout):
+        self.rollout = rollout
+
+    def advance(self) -> list[list[Sample]]:
+        return ray.get(self.rollout.advance.remote())
+
+    def abort(self) -> list[list[Sample]]:
+        return ray.get(self.rollout.abort.remote())
 
 
 class Workers:
@@ -113,6 +136,14 @@ class Workers:
     def generate(self, records: list[PromptRecord], rollout_id: int, first_group: int, plan: GenerationPlan):
         """A future of the rewarded samples."""
         return self.rollout.generate.remote(records, rollout_id, first_group, plan)
+
+    def stream(
+        self, records: list[PromptRecord], resumed: list[list[Sample]], rollout_id: int, first_group: int,
+        plan: GenerationPlan,
+    ) -> EngineRound:
+        """Start a round on the rollout engine, to be read group by group (see RolloutWorker.begin)."""
+        ray.get(self.rollout.begin.remote(records, resumed, rollout_id, first_group, plan))
+        return EngineRound(self.rollout)
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         return ray.get(self.trainer.train.remote(samples))
