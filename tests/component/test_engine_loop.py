@@ -3,7 +3,9 @@
 In synchronous modes every rollout is generated right after a weight sync, so the trainer's log-probs of the
 sampled tokens must equal vLLM's (fp32): `train/train_rollout_logprob_abs_diff` is that gap. In async mode
 rollout i+1 is generated under the weights before training on rollout i, so the gap is real there; the check
-is that the loop runs, overlaps, and keeps its versions straight.
+is that the loop runs, overlaps, and keeps its versions straight. With partial rollout, responses cut off in
+one rollout are finished in the next under newer weights: each token's rollout log-prob must be that of the
+weights its segment records.
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import ray
+import torch
 
 from vime_engine.config import build_config
 from vime_engine.data.synthetic import materialize_builtin_dataset
 from vime_engine.models.builtin import materialize_builtin_model
 from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.driver import train
+from vime_engine.runtime.workers import Workers
+from vime_engine.train.objective import response_log_probs
 
 NUM_ROLLOUT = 3
 
@@ -71,3 +77,62 @@ def test_async_loop_runs_one_step_off_policy(inputs, cluster):
     gaps = [row["train/train_rollout_logprob_abs_diff"] for row in result.history]
     assert gaps[0] <= 1e-5  # rollout 0 was generated from the synced initial weights
     assert all(gap > 1e-5 for gap in gaps[1:])  # later rollouts overlapped training: one version stale
+
+
+# The random tiny model rarely emits EOS, so responses end at --rollout-max-response-len or, for long prompts
+# (19 to 77 tokens here), earlier at --vllm-max-model-len: groups finish at different steps and the 2 kept
+# first leave the rest of the 6 generating, to be cut off.
+PARTIAL = {"partial-rollout": True, "rollout-batch-size": 2, "over-sampling-batch-size": 6,
+           "rollout-max-response-len": 32, "vllm-max-model-len": 88, "use-tis": True}
+
+
+def test_partial_rollout_finishes_cut_off_groups_in_the_next_rollout_under_new_weights(inputs, cluster, monkeypatch):
+    trained = []  # per rollout: the samples and the trainer's weights they were trained from (that version)
+    original_train = Workers.train
+
+    def recording_train(self, samples):
+        trained.append((samples, ray.get(self.trainer.weights.remote())))
+        return original_train(self, samples)
+
+    monkeypatch.setattr(Workers, "train", recording_train)
+    result, _ = _run(inputs, "partial", **PARTIAL)
+    history = result.history
+    aborted = [row["rollout/aborted_groups"] for row in history]
+    resumed = [row["rollout/resumed_groups"] for row in history]
+    print(f"aborted groups per rollout {aborted}, resumed {resumed}, "
+          f"mixed-version samples {[row['rollout/mixed_version_samples'] for row in history]}")
+    assert resumed[0] == 0 and aborted[0] > 0 and resumed[1] == aborted[0]  # cut off in 0, continued in 1
+    assert max(row["rollout/mixed_version_samples"] for row in history) > 0
+    assert max(row["rollout/max_staleness"] for row in history) >= 1
+    assert all(row["train/grad_norm"] > 0 for row in history)  # --use-tis trained on the mixed samples
+
+    model = _tiny_policy(inputs[0])
+    mixed = 0
+    for version, (samples, _) in enumerate(trained):
+        for s in samples:
+            assert s.response_length <= PARTIAL["rollout-max-response-len"]
+            assert len(s.rollout_log_probs) == len(s.loss_mask) == s.response_length
+            assert sum(n for _, n in s.version_segments) == s.response_length
+            versions = [v for v, _ in s.version_segments]
+            assert versions == sorted(set(versions)) and versions[-1] <= version
+            mixed += len(versions) > 1
+            start = 0
+            for v, n in s.version_segments:  # each segment's log-probs are those of the weights it records
+                model.load_state_dict(trained[v][1])
+                expected = _log_probs(model, s)[start:start + n]
+                assert torch.allclose(torch.tensor(s.rollout_log_probs[start:start + n]), expected, atol=1e-5)
+                start += n
+    assert mixed > 0
+
+
+def _tiny_policy(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def _log_probs(model, sample) -> torch.Tensor:
+    ids = torch.tensor([sample.prompt_tokens + sample.response_tokens])
+    logits = model(input_ids=ids).logits[0, len(sample.prompt_tokens) - 1:-1]
+    return response_log_probs(logits, torch.tensor(sample.response_tokens), temperature=1.0)

@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 import yaml
 
 from vime_engine.checkpoint import find_latest
+from vime_engine.runtime.run_state import BUFFER_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 FAULTS = REPO / "tests" / "support" / "faults"
@@ -189,5 +191,35 @@ def test_sigterm_finishes_the_step_checkpoints_exits_75_and_resumes_bit_identica
 
     assert _run(config) == 0
     weights, history = _final(tmp_path)
+    assert weights == ref_weights
+    assert history == ref_history
+
+
+# 2 groups kept of 6 generated, responses ending at different steps (see test_engine_loop.py): the groups still
+# generating are cut off and continued in the next rollout, across the checkpoint in between.
+PARTIAL = {"partial-rollout": True, "rollout-batch-size": 2, "over-sampling-batch-size": 6, "global-batch-size": 4,
+           "rollout-max-response-len": 32, "vllm-max-model-len": 88}
+
+
+def test_partial_rollout_buffer_is_checkpointed_and_a_kill_resumes_bit_identical(tmp_path_factory, base_config):
+    reference_dir = tmp_path_factory.mktemp("partial-reference")
+    assert _run(_write_config(reference_dir, base_config, **PARTIAL)) == 0
+    ref_weights, ref_history = _final(reference_dir)
+    assert sum(h["rollout/aborted_groups"] for h in ref_history) > 0
+    assert sum(h["rollout/resumed_groups"] for h in ref_history) > 0
+
+    run_dir = tmp_path_factory.mktemp("partial-killed")
+    config = _write_config(run_dir, base_config, **PARTIAL)
+    # Killed as rollout 1 starts the round that continues what rollout 0 cut off (the 2nd submit).
+    _run(config, fault="vime_engine.rollout.vllm_engine:VLLMEngine.submit:2")
+    latest = find_latest(run_dir / "ckpt")
+    assert latest.rollout_id == 0
+    carry = pickle.loads((latest.path / BUFFER_FILE).read_bytes())
+    cut = [s for group in carry.partial for s in group if not s.finished]
+    assert len(carry.partial) == ref_history[0]["rollout/aborted_groups"] == ref_history[1]["rollout/resumed_groups"]
+    assert cut and all(len(s.rollout_log_probs) == s.response_length < 32 for s in cut)
+    assert _run(config) == 0
+
+    weights, history = _final(run_dir)
     assert weights == ref_weights
     assert history == ref_history
