@@ -2,7 +2,7 @@
 
 Runs rl-pipeline as a subflow (fresh storage per run unless `storage_root` is given), compares its final
 reward, train/rollout log-prob gap, eval score and step time (as a ratio to a reference workload timed in
-this run) against tolerance bands, publishes the comparison as a markdown artifact, and fails the run when a
+the engine processes that trained, see tasks/regression.py) against tolerance bands, publishes the comparison as a markdown artifact, and fails the run when a
 metric leaves its band.
 """
 
@@ -10,21 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import flow, get_run_logger, runtime, task
+from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 
 from flows.params import CONFIGS, load_params
 from flows.rl_pipeline import rl_pipeline
-from tasks.regression import compare, load_baseline, reference_seconds, render_diff
+from tasks.regression import compare, load_baseline, render_diff
 
 
 class RegressionDetected(AssertionError):
     """A metric left its tolerance band."""
-
-
-@task(name="measure_reference")
-def measure_reference() -> float:
-    return reference_seconds()
 
 
 @flow(name="nightly-regression", log_prints=True)
@@ -37,11 +32,8 @@ def nightly_regression(
     params = load_params(config_file)
     root = storage_root or (Path.cwd() / "vimeflow-nightly" / str(runtime.flow_run.id)).resolve().as_uri()
     params.storage = params.storage.model_copy(update={"root": root})
-    reference = measure_reference()
     outcome = rl_pipeline(**params.as_flow_kwargs())
     observed = {**outcome.summary}
-    if observed.get("step_time_mean") is not None:
-        observed["step_time_ratio"] = observed["step_time_mean"] / reference
     results = compare(observed, load_baseline(baseline_file))
     diff = render_diff(results)
     create_markdown_artifact(f"# Nightly regression\n\nreport: {outcome.report_uri}\n\n{diff}\n",

@@ -38,9 +38,13 @@ def _train(cfg, job: dict[str, Any]) -> dict[str, Any]:
     from vime_engine import checkpoint as ckpt
     from vime_engine.chunk import run_chunk
 
+    from tasks.regression import reference_seconds
+
     before = ckpt.find_latest(cfg.checkpoint.save, content=False)
+    reference = reference_seconds()  # the machine's speed now, beside the step times this chunk logs
     result = run_chunk(cfg, int(job["start"]), int(job["count"]))
-    return {**asdict(result), "resumed_from": before.rollout_id if before is not None else None}
+    return {**asdict(result), "resumed_from": before.rollout_id if before is not None else None,
+            "reference_seconds": reference}
 
 
 def _evaluate(cfg, job: dict[str, Any]) -> dict[str, Any]:

@@ -73,8 +73,10 @@ def build_lineage(job: EngineJob, chunks: list[ChunkOutcome], evaluation: EvalOu
     }
 
 
-def summarize(history: list[dict[str, Any]], evaluation: EvalOutcome) -> dict[str, float | None]:
-    """First and last reward, last log-prob gap, eval before training vs the final evaluation."""
+def summarize(history: list[dict[str, Any]], evaluation: EvalOutcome, chunks: list[ChunkOutcome]
+              ) -> dict[str, float | None]:
+    """First and last reward, last log-prob gap, step time (also as a ratio to the chunks' reference
+    workload), eval before training vs the final evaluation."""
     _, rewards = series(history, "rollout/raw_reward")
     _, gaps = series(history, "train/train_rollout_logprob_abs_diff")
     out: dict[str, float | None] = {
@@ -82,6 +84,8 @@ def summarize(history: list[dict[str, Any]], evaluation: EvalOutcome) -> dict[st
         "logprob_diff_last": gaps[-1] if gaps else None,
         "step_time_mean": _mean([r["perf/train_time"] for r in history if "perf/train_time" in r]),
     }
+    reference = _mean([c.reference_seconds for c in chunks if c.reference_seconds])
+    out["step_time_ratio"] = out["step_time_mean"] / reference if out["step_time_mean"] and reference else None
     for key in sorted(set(eval_keys(history)) | set(eval_keys([evaluation.metrics]))):
         ids, values = series(history, key)
         out[f"{key} before"] = values[0] if ids and ids[0] == -1 else None
@@ -139,7 +143,7 @@ def publish(job: EngineJob, layout: RunLayout, publish_prefix: str, chunks: list
     (out / "lineage.json").write_text(json.dumps(lineage, indent=1, sort_keys=True, default=str))
     root = open_storage(layout.storage_root)
     key = join_key(layout.run_prefix, publish_prefix)
-    summary = summarize(history, evaluation)
+    summary = summarize(history, evaluation, chunks)
     report = render_report(layout, summary, lineage, plots, root.uri(key))
     (out / "report.md").write_text(report)
     root.commit_tree(out, key, meta={"run": layout.run_name, "identity_hash": job.identity_hash})

@@ -1,8 +1,9 @@
 """Regression gates: observed run metrics against a stored baseline with tolerance bands, and a readable diff.
 
 A band passes when the observed value lies in [baseline - below, baseline + above]; a missing value fails.
-Step time is compared as a ratio to a reference workload timed in the same run (`reference_seconds`), so
-a slower or busier machine does not read as a regression of the code.
+Step time is compared as a ratio to a reference workload (`reference_seconds`) timed in each chunk's engine
+process just before it trains, so a slower or busier machine does not read as a regression of the code (and
+a chunk that comes back from the cache brings the reference of the run that trained it).
 """
 
 from __future__ import annotations

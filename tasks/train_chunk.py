@@ -38,6 +38,7 @@ class ChunkOutcome:
     wall_seconds: float
     storage_manifest_sha256: str = ""
     attempts: list[str] = field(default_factory=list)
+    reference_seconds: float | None = None  # tasks.regression.reference_seconds, timed before training
 
 
 def chunk_cache_key(context, parameters: dict[str, Any]) -> str:
@@ -107,5 +108,5 @@ def train_chunk(job: EngineJob, layout: RunLayout, start: int, count: int,
         checkpoint_uri=root.uri(key), first_rollout=start, last_rollout=last,
         manifest_sha256=value["manifest_sha256"], config_hash=value["config_hash"], metrics=value["metrics"],
         resumed_from=value["resumed_from"], engine_seconds=run.engine_seconds, wall_seconds=run.wall_seconds,
-        storage_manifest_sha256=manifest.hash,
+        storage_manifest_sha256=manifest.hash, reference_seconds=value.get("reference_seconds"),
     )
