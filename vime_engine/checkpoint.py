@@ -151,11 +151,7 @@ def validate(path: Path, content: bool = True) -> CheckpointRef:
         manifest = Manifest.from_bytes(manifest_path.read_bytes())
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{path}: unreadable {MANIFEST_NAME}: {exc}") from None
-    if content:
-        bad = verify_local_tree(path, manifest)
-    else:
-        bad = [rel for rel, e in sorted(manifest.files.items())
-               if not (path / rel).is_file() or (path / rel).stat().st_size != e.size]
+    bad = verify_local_tree(path, manifest.files, content)
     if bad:
         raise CheckpointError(f"{path}: files missing or not matching the manifest: {', '.join(bad)}")
     return CheckpointRef(path, int(m.group(1)), manifest)

@@ -17,12 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -122,8 +122,8 @@ def digest_file(path: Path, part_size: int, part_md5s: bool = True) -> FileDiges
     Without ``part_md5s`` (stores without ETags) only the sha256 is computed: md5 is the slower of the two.
     """
     if not part_md5s:
-        return FileDigest(size=Path(path).stat().st_size, sha256=sha256_file(path), part_size=part_size,
-                          part_md5s=())
+        entry = file_entry(Path(path))
+        return FileDigest(size=entry.size, sha256=entry.sha256, part_size=part_size, part_md5s=())
     sha = hashlib.sha256()
     md5s: list[str] = []
     size = 0
@@ -205,11 +205,14 @@ def read_verified(path: Path, expected: FileEntry) -> bytes:
     return data
 
 
-def verify_local_tree(local_dir: Path, manifest: Manifest) -> list[str]:
-    """Relpaths whose local file is missing or differs from the manifest (empty list: the tree matches)."""
+def verify_local_tree(local_dir: Path, files: Mapping[str, FileEntry], content: bool = True) -> list[str]:
+    """Relpaths whose local file is missing or differs from its entry (empty list: the tree matches).
+
+    `content=False` compares sizes only (the sha256 is then checked by whoever reads the files).
+    """
     bad = []
-    for rel, entry in sorted(manifest.files.items()):
+    for rel, entry in sorted(files.items()):
         p = Path(local_dir) / rel
-        if not p.is_file() or p.stat().st_size != entry.size or sha256_file(p) != entry.sha256:
+        if not p.is_file() or p.stat().st_size != entry.size or (content and sha256_file(p) != entry.sha256):
             bad.append(rel)
     return bad

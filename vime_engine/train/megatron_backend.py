@@ -25,7 +25,7 @@ from torch import Tensor
 
 from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
 from vime_engine.config import EngineConfig
-from vime_engine.manifest import ChecksumMismatch, FileEntry, Manifest, verify_local_tree
+from vime_engine.manifest import ChecksumMismatch, FileEntry, verify_local_tree
 from vime_engine.runtime.devices import prepare_accelerator, resolve_accelerator
 from vime_engine.sample import Sample
 from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference, response_log_probs
@@ -251,7 +251,7 @@ class MegatronTrainBackend:
     def load_state(self, directory: str | Path, expected: Mapping[str, FileEntry]) -> None:
         """Load after checking the files against `expected` (torch_dist reads them itself, so first)."""
         directory = Path(directory)
-        bad = verify_local_tree(directory, Manifest(files=dict(expected)))
+        bad = verify_local_tree(directory, expected)
         if bad:
             raise ChecksumMismatch(f"{directory}: files differ from the manifest: {', '.join(bad)}")
         loaded = self.mm.load_torch_dist(self._sharded_state(is_loading=True), directory)
