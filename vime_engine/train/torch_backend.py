@@ -2,7 +2,8 @@
 
 Contract shared with the Megatron backend: build from an HF directory, per-token log-probs of responses,
 `train_rollout(samples)` (advantages → optimizer steps over global batches → metrics), the weights as a
-named-tensor stream in HF names for the rollout engine, a resumable `state_dict`, and `save_hf`.
+named-tensor stream in HF names for the rollout engine, the resumable state (`save_state` returns the digests of
+the files it hashed while writing, `load_state` checks its files against the manifest's entries), and `save_hf`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from torch import Tensor, nn
 
 from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
 from vime_engine.config import EngineConfig
-from vime_engine.manifest import ChecksumMismatch, FileEntry, read_verified
+from vime_engine.manifest import FileEntry, read_verified
 from vime_engine.sample import Sample
-from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference, response_log_probs
 from vime_engine.tensor_files import join_tensors, read_tensors, split_tensors, write_tensors
+from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference, response_log_probs
 from vime_engine.train.rollout_batch import RolloutBatch, build_rollout_batch, global_batches
 
 # The files of the resumable state (the checkpoint's trainer part).
@@ -198,8 +199,10 @@ class TorchTrainBackend:
                           weights_only=False)
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         if unexpected or set(missing) - set(_aliases(self.model.state_dict())):
-            raise ChecksumMismatch(f"{directory / MODEL_FILE}: does not hold this model's weights "
-                                   f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+            # Not a corrupt file (those fail their sha256 above): a checkpoint of another model. Stop, do not
+            # fall back to an older checkpoint of that same other model.
+            raise RuntimeError(f"{directory / MODEL_FILE}: does not hold this model's weights "
+                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         state = join_tensors(rest["skeleton"], tensors)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
