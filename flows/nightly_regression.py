@@ -2,8 +2,8 @@
 
 Runs rl-pipeline as a subflow (fresh storage per run unless `storage_root` is given), compares its final
 reward, train/rollout log-prob gap, eval score and step time (as a ratio to a reference workload timed in
-the engine processes that trained, see tasks/regression.py) against tolerance bands, publishes the comparison as a markdown artifact, and fails the run when a
-metric leaves its band.
+the engine processes that trained, see tasks/regression.py) against tolerance bands, publishes the
+comparison as a markdown artifact, and fails the run when a metric leaves its band.
 """
 
 from __future__ import annotations

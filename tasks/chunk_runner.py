@@ -35,10 +35,9 @@ def _infrastructure_errors() -> tuple[type[BaseException], ...]:
 
 
 def _train(cfg, job: dict[str, Any]) -> dict[str, Any]:
+    from tasks.regression import reference_seconds
     from vime_engine import checkpoint as ckpt
     from vime_engine.chunk import run_chunk
-
-    from tasks.regression import reference_seconds
 
     before = ckpt.find_latest(cfg.checkpoint.save, content=False)
     reference = reference_seconds()  # the machine's speed now, beside the step times this chunk logs

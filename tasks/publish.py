@@ -109,7 +109,8 @@ def render_report(layout: RunLayout, summary: dict[str, float | None], lineage: 
     lines += [f"| {k} | {_fmt(v)} |" for k, v in summary.items()]
     lines += ["", "## Plots", ""] + [f"![{p}](plots/{p})" for p in plots]
     lines += ["", "## Chunks", "", "| rollouts | resumed from | checkpoint manifest |", "|---|---|---|"]
-    lines += [f"| {c['rollouts'][0]}–{c['rollouts'][1]} | {c['resumed_from'] if c['resumed_from'] is not None else '—'} "
+    lines += [f"| {c['rollouts'][0]}–{c['rollouts'][1]} "
+              f"| {c['resumed_from'] if c['resumed_from'] is not None else '—'} "
               f"| `{c['manifest_sha256'][:16]}` |" for c in lineage["chunks"]]
     lines += ["", "## Lineage", "",
               f"- model: `{lineage['model']['source']}` revision `{lineage['model']['revision']}` "

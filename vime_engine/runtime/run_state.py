@@ -15,8 +15,8 @@ from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.data.datasets import load_prompt_dataset
 from vime_engine.data.records import PromptRecord
 from vime_engine.data.source import DataSource
-from vime_engine.manifest import ChecksumMismatch
 from vime_engine.evaluation import summarize, write_results
+from vime_engine.manifest import ChecksumMismatch
 from vime_engine.metrics import MetricsSink
 from vime_engine.rollout.dynamic_sampling import (
     CarryOver, FinishedRound, GroupFilter, RoundStream, load_group_filter,

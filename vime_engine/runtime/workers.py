@@ -123,7 +123,8 @@ class Workers:
         )
         self.colocated = cfg.placement.colocate
         if self.colocated:
-            actor = ray.remote(ColocatedActor).options(**env, **resources).remote(cfg, accel.torch_device, kv_cache_bytes)
+            actor = ray.remote(ColocatedActor).options(**env, **resources).remote(
+                cfg, accel.torch_device, kv_cache_bytes)
             self.trainer = self.rollout = actor
         else:
             self.trainer = ray.remote(TrainerActor).options(**env, **resources).remote(cfg, accel.torch_device)
