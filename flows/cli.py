@@ -132,6 +132,26 @@ def server(host: str = "127.0.0.1", port: int = 4200) -> None:
                 proc.wait(timeout=30)
 
 
+@app.command(name="reward-server")
+def reward_server(
+    host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)"),
+    port: int = typer.Option(8000, help="port to listen on; 0 picks a free one"),
+    rm_type: str = typer.Option("math", "--rm-type", help="the built-in reward to serve: math | gsm8k | dapo | "
+                                "deepscaler"),
+) -> None:
+    """Serve a reward over HTTP for `--rm-type remote_rm --rm-url http://HOST:PORT/` (POST / with JSON
+    {prompt, response, label, id}); runs until Ctrl-C."""
+    from vime_engine.rewards import BUILTIN_REWARDS
+    from vime_engine.rewards.server import serve
+
+    if rm_type not in BUILTIN_REWARDS:
+        console.print(f"[red]--rm-type {rm_type!r} cannot be served; choose one of {', '.join(BUILTIN_REWARDS)}[/red]")
+        raise typer.Exit(2)
+    serve(BUILTIN_REWARDS[rm_type], rm_type, host, port,
+          on_ready=lambda url: console.print(f"reward server ({rm_type}) on {url}  (Ctrl-C stops)", highlight=False,
+                                               soft_wrap=True))
+
+
 @app.command(name="modelarts-entrypoint")
 def modelarts_entrypoint(
     spec: str = typer.Option(..., "--spec", help="obs://… URI of the chunk spec the submitter wrote"),

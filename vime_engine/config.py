@@ -62,8 +62,9 @@ class RolloutConfig(_Section):
 
 
 class RewardConfig(_Section):
-    rm_type: str = Field("math", description="math | gsm8k | dapo | deepscaler")
+    rm_type: str = Field("math", description="math | gsm8k | dapo | deepscaler | remote_rm")
     custom_rm_path: str | None = Field(None, description="module:function or file.py:function")
+    rm_url: str | None = Field(None, description="reward server for remote_rm (--rm-type or --eval-rm-type)")
 
 
 AdvantageEstimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
@@ -190,7 +191,7 @@ SECTIONS: dict[str, type[_Section]] = {
 # ModelArts container); content identity is the orchestrator's job (staged manifests in the chunk cache key),
 # and the checkpoint itself refuses a dataset of another size or weights of another shape.
 NON_MATH_FIELDS = {
-    "hf_checkpoint", "ref_load", "prompt_data", "custom_rm_path", "dynamic_sampling_filter_path",
+    "hf_checkpoint", "ref_load", "prompt_data", "custom_rm_path", "rm_url", "dynamic_sampling_filter_path",
     "num_rollout", "start_rollout_id", "save", "save_interval", "load", "keep_last", "save_hf",
     "output_dir", "use_tensorboard", "use_wandb", "ray_address", "balance_data",
     "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
@@ -333,6 +334,7 @@ def _check_combinations(cfg: EngineConfig) -> None:
         raise ConfigError("--eval-prompt-data takes pairs: NAME PATH [NAME PATH ...]")
     if cfg.eval.eval_interval is not None and not cfg.eval.eval_prompt_data:
         raise ConfigError("--eval-interval needs --eval-prompt-data NAME PATH")
+    _check_rm_url(cfg)
     if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None:
         raise ConfigError("--save-interval needs --save DIR")
     if t.train_backend == "torch":
@@ -341,6 +343,22 @@ def _check_combinations(cfg: EngineConfig) -> None:
             raise ConfigError(
                 f"{', '.join(parallel)} need --train-backend megatron (the torch backend runs one process)"
             )
+
+
+def _check_rm_url(cfg: EngineConfig) -> None:
+    # A custom reward takes precedence over --rm-type (as in vime), so then only --eval-rm-type can use the URL.
+    train_remote = cfg.reward.rm_type == "remote_rm" and cfg.reward.custom_rm_path is None
+    remote = train_remote or cfg.eval.eval_rm_type == "remote_rm"
+    url = cfg.reward.rm_url
+    if remote and not url:
+        raise ConfigError("--rm-type remote_rm (or --eval-rm-type remote_rm) needs --rm-url http://HOST:PORT/")
+    if url and not remote:
+        raise ConfigError(
+            f"--rm-url {url} is only read by remote_rm: set --rm-type remote_rm (without --custom-rm-path) or "
+            "--eval-rm-type remote_rm, or drop --rm-url"
+        )
+    if url and not url.startswith(("http://", "https://")):
+        raise ConfigError(f"--rm-url {url!r}: expected an http:// or https:// URL, e.g. http://127.0.0.1:8000/")
 
 
 # -- building from YAML and flags -------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Clients (boto3, the OBS SDK) talk HTTP to the proxy exactly as to S3/OBS. Rules,
   forwarding;
 - forward the request, then send the response headers and only half the body and close the connection
   (a connection dropped mid-transfer);
+- read the request and close the connection without any answer (a server that hangs up);
 - refuse every access key except the ones registered, with the body real S3 sends for an unknown key
   (403 InvalidAccessKeyId). moto does not check signatures, so this is where "wrong credentials" lives;
   a wrong secret with a known key id is not detected here.
@@ -50,7 +51,7 @@ class Exchange:
 @dataclass
 class Rule:
     match: Callable[[str, str, dict], bool]  # (method, path, query) -> bool
-    action: str  # "error" | "drop"
+    action: str  # "error" | "drop" | "hang_up"
     times: int  # how many matching requests it applies to; after `skip` matches
     status: int = 503
     code: str = "ServiceUnavailable"
@@ -88,6 +89,12 @@ class FaultProxy(BackgroundHTTPServer):
     def drop(self, times: int, *, skip: int = 0,
              match: Callable[[str, str, dict], bool] = lambda m, p, q: m == "GET") -> Rule:
         rule = Rule(match, "drop", times, skip=skip)
+        self.rules.append(rule)
+        return rule
+
+    def hang_up(self, times: int, *, skip: int = 0,
+                match: Callable[[str, str, dict], bool] = lambda m, p, q: True) -> Rule:
+        rule = Rule(match, "hang_up", times, skip=skip)
         self.rules.append(rule)
         return rule
 
@@ -134,6 +141,11 @@ class FaultProxy(BackgroundHTTPServer):
                 if rule is not None and rule.action == "error":
                     self._error(rule.status, rule.code, _MESSAGES.get(rule.code, rule.code))
                     proxy._record(self.command, parts.path, query, rule.status, key)
+                    return
+                if rule is not None and rule.action == "hang_up":
+                    proxy._record(self.command, parts.path, query, -1, key)
+                    self.close_connection = True
+                    self.connection.shutdown(2)
                     return
                 status, headers, data = self._forward(body)
                 proxy._record(self.command, parts.path, query, status if rule is None else -1, key)

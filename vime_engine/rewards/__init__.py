@@ -1,14 +1,16 @@
 """Reward functions: `(response: str, label: str) -> float`, chosen by `--rm-type` or loaded
-from `--custom-rm-path`."""
+from `--custom-rm-path`; `--rm-type remote_rm` asks a reward server over HTTP instead (`remote.py`)."""
 
 from __future__ import annotations
 
+from vime_engine.rewards.batch import BatchRewardFn, PerSampleReward, RewardInput
 from vime_engine.rewards.boxed import last_boxed_content
 from vime_engine.rewards.custom import RewardFn, load_custom_reward
 from vime_engine.rewards.dapo import answer_line, dapo_reward
 from vime_engine.rewards.deepscaler import THINK_END, deepscaler_reward
 from vime_engine.rewards.gsm8k import final_number, gsm8k_reward
 from vime_engine.rewards.math import math_reward
+from vime_engine.rewards.remote import RemoteReward, RemoteRewardError
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math": math_reward,
@@ -16,6 +18,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "dapo": dapo_reward,
     "deepscaler": deepscaler_reward,
 }
+REMOTE_RM = "remote_rm"
 
 
 def get_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
@@ -27,9 +30,19 @@ def get_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
         return BUILTIN_REWARDS[rm_type]
     except KeyError:
         raise ValueError(
-            f"--rm-type {rm_type!r} is unknown; choose one of {', '.join(BUILTIN_REWARDS)} "
-            "or give your own function with --custom-rm-path"
+            f"--rm-type {rm_type!r} is unknown; choose one of {', '.join(BUILTIN_REWARDS)}, {REMOTE_RM} "
+            "(with --rm-url) or give your own function with --custom-rm-path"
         ) from None
+
+
+def get_batch_reward(rm_type: str, custom_rm_path: str | None = None, rm_url: str | None = None) -> BatchRewardFn:
+    """The reward of a batch of samples: `remote_rm` asks the reward server at `rm_url` (unless a custom reward
+    takes precedence, as in `get_reward_fn`); any other type applies its per-sample function to each."""
+    if rm_type == REMOTE_RM and not custom_rm_path:
+        if not rm_url:
+            raise ValueError(f"--rm-type {REMOTE_RM} needs --rm-url URL (a reward server: `vimeflow reward-server`)")
+        return RemoteReward(rm_url)
+    return PerSampleReward(get_reward_fn(rm_type, custom_rm_path))
 
 
 def extract_answer(rm_type: str, response: str) -> str | None:
@@ -48,4 +61,7 @@ def extract_answer(rm_type: str, response: str) -> str | None:
     return None
 
 
-__all__ = ["BUILTIN_REWARDS", "RewardFn", "extract_answer", "get_reward_fn"]
+__all__ = [
+    "BUILTIN_REWARDS", "REMOTE_RM", "BatchRewardFn", "RemoteReward", "RemoteRewardError", "RewardFn", "RewardInput",
+    "extract_answer", "get_batch_reward", "get_reward_fn",
+]

@@ -18,7 +18,7 @@ import torch
 from vime_engine.config import EngineConfig
 from vime_engine.data.chat import render_prompt
 from vime_engine.data.records import PromptRecord
-from vime_engine.rewards import RewardFn, extract_answer, get_reward_fn
+from vime_engine.rewards import BatchRewardFn, RewardInput, extract_answer, get_batch_reward
 from vime_engine.rollout.partial import continuation, extend
 from vime_engine.rollout.vllm_engine import Completion, EngineSettings, Request, SamplingSettings, VLLMEngine
 from vime_engine.sample import Sample, SampleStatus
@@ -62,7 +62,7 @@ class _Round:
     """The open round: how to reward it, and its groups by index (removed as they finish)."""
 
     rm_type: str
-    reward_fn: RewardFn
+    reward_fn: BatchRewardFn
     groups: dict[int, list[Sample]]
 
 
@@ -73,7 +73,7 @@ class RolloutWorker:
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.engine = VLLMEngine(engine_settings(cfg, kv_cache_bytes))
-        self.reward_fn = get_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path)
+        self.reward_fn = get_batch_reward(cfg.reward.rm_type, cfg.reward.custom_rm_path, cfg.reward.rm_url)
         self._round: _Round | None = None
 
     @property
@@ -101,7 +101,7 @@ class RolloutWorker:
         self.engine.submit(requests, plan.sampling)
         self._round = _Round(
             plan.rm_type or self.cfg.reward.rm_type,
-            get_reward_fn(plan.rm_type) if plan.rm_type else self.reward_fn,
+            get_batch_reward(plan.rm_type, rm_url=self.cfg.reward.rm_url) if plan.rm_type else self.reward_fn,
             {group[0].group_index: group for group in groups},
         )
 
@@ -141,21 +141,25 @@ class RolloutWorker:
         ]
 
     def _record(self, c: Completion) -> int | None:
-        """Fold a completion into its sample (rewarded once finished); its group's index if that finished."""
+        """Fold a completion into its sample; its group's index if that finished (the group then rewarded)."""
         index, j = map(int, c.key.split("/"))
         group = self._round.groups[index]
-        sample = extend(group[j], c.token_ids, c.log_probs, c.status, self.engine.weight_version)
-        group[j] = self._rewarded(sample) if sample.finished else sample
-        return index if sample.finished and all(s.finished for s in group) else None
+        group[j] = extend(group[j], c.token_ids, c.log_probs, c.status, self.engine.weight_version)
+        if not all(s.finished for s in group):
+            return None
+        self._reward(group)
+        return index
 
-    def _rewarded(self, sample: Sample) -> Sample:
-        # Decoded here, not by vLLM, since a continued response spans several requests; decoded as vLLM would
-        # (special tokens skipped, spaces left alone).
-        text = self.tokenizer.decode(sample.response_tokens, skip_special_tokens=True,
-                                     clean_up_tokenization_spaces=False)
-        sample.response, sample.reward = text, float(self._round.reward_fn(text, sample.label))
-        sample.metadata = {**sample.metadata, "extracted_answer": extract_answer(self._round.rm_type, text)}
-        return sample
+    def _reward(self, group: list[Sample]) -> None:
+        # The whole group at once: a remote reward sends it as one concurrent wave of requests. Decoded here, not
+        # by vLLM, since a continued response spans several requests; decoded as vLLM would (special tokens
+        # skipped, spaces left alone).
+        texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True,
+                                       clean_up_tokenization_spaces=False) for s in group]
+        rewards = self._round.reward_fn([RewardInput(s.prompt, text, s.label) for s, text in zip(group, texts)])
+        for sample, text, reward in zip(group, texts, rewards, strict=True):
+            sample.response, sample.reward = text, float(reward)
+            sample.metadata = {**sample.metadata, "extracted_answer": extract_answer(self._round.rm_type, text)}
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int) -> float:
         if isinstance(named_tensors, dict):
