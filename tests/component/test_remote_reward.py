@@ -84,7 +84,8 @@ def test_server_answers_slime_shape_and_refuses_bad_requests(reward_server):
     for body, message in [(b"not json", "not JSON"), (b'{"response": 1, "label": "2"}', '"response" must be')]:
         answer = httpx.post(reward_server.url, content=body)
         assert answer.status_code == 400 and message in answer.json()["error"]
-    assert httpx.get(reward_server.url + "health").json() == {"status": "ok", "rm_type": "math"}
+    health = httpx.get(reward_server.url + "health").json()
+    assert health == {"status": "ok", "rm_type": "math", "served": reward_server.served}
 
 
 def test_retries_503_then_gets_every_reward(proxy):

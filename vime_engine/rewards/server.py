@@ -3,7 +3,7 @@
 `POST /` with `{"prompt", "response", "label", "id"?}` answers 200 with `{"reward": float, "id": id}`, or with
 the bare reward when the request has no id (what slime's `remote_rm` client reads); a malformed request
 answers 400 and a reward function that raises answers 500, each with `{"error": message}`. `GET /health`
-answers `{"status": "ok", "rm_type": ...}`.
+answers `{"status": "ok", "rm_type": ..., "served": rewards given so far}`.
 
 The standard library's threading HTTP server: one thread per connection, keep-alive (HTTP/1.1). Grading runs
 in those threads, so math-verify runs without its SIGALRM timeout there, as in the rollout workers.
@@ -49,11 +49,14 @@ class RewardServer(ThreadingHTTPServer):
 
 class _RewardHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes: with Nagle's algorithm the body waits for the client's
+    # delayed ACK, about 40 ms per request on a keep-alive connection.
+    disable_nagle_algorithm = True
     server: RewardServer
 
     def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
         if self.path == "/health":
-            self._answer(200, {"status": "ok", "rm_type": self.server.rm_type})
+            self._answer(200, {"status": "ok", "rm_type": self.server.rm_type, "served": self.server.served})
         else:
             self._answer(404, {"error": f"GET {self.path}: not found; POST / scores a response, GET /health"})
 
