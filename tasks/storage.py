@@ -237,6 +237,10 @@ class Storage(ABC):
         try:
             raw = self._retry(lambda: self.get_bytes(key))
         except NotFoundError as exc:
+            if exc.code == "NoSuchBucket":  # not "nothing committed yet": nothing can be written there either
+                raise PermanentStorageError("read_manifest", self.uri(prefix), status=exc.status, code=exc.code,
+                                            message="the bucket does not exist: create it or fix the storage "
+                                                    "root") from None
             raise NotFoundError("read_manifest", self.uri(prefix), status=exc.status, code=exc.code,
                                 message="no manifest.json: the tree is not committed (or not complete)") from None
         try:

@@ -33,16 +33,15 @@ def test_engine_config_error_comes_back_with_the_engines_message(tmp_path):
         run_engine_job({"mode": "train", "flags": flags, "start": 0, "count": 1}, tmp_path / "job")
 
 
-def test_engine_code_error_comes_back_with_its_traceback(tmp_path):
-    flags = {"hf-checkpoint": str(tmp_path / "none"), "prompt-data": str(tmp_path / "none.jsonl"),
-             "save": str(tmp_path / "ckpt"), "num-rollout": 1}
-    with pytest.raises(EngineCodeFailure, match="Traceback"):
-        run_engine_job({"mode": "train", "flags": flags, "start": 0, "count": 1}, tmp_path / "job")
+def test_engine_code_error_comes_back_with_its_traceback(tmp_path, tiny_model, arithmetic_data):
+    flags = {"hf-checkpoint": str(tiny_model), "prompt-data": str(arithmetic_data), "input-key": "question",
+             "label-key": "answer", "save": str(tmp_path / "ckpt"), "num-rollout": 1}
+    with pytest.raises(EngineCodeFailure, match="(?s)Traceback.*ValueError"):  # a job file no caller writes
+        run_engine_job({"mode": "train", "flags": flags, "start": "first", "count": 1}, tmp_path / "job")
 
 
-def test_prefect_retries_infrastructure_failures_only():
+def test_prefect_retries_infrastructure_failures_only(prefect_harness):
     from prefect import flow, task
-    from prefect.testing.utilities import prefect_test_harness
 
     attempts = {"infra": 0, "config": 0}
 
@@ -59,8 +58,7 @@ def test_prefect_retries_infrastructure_failures_only():
     def both() -> tuple:
         return flaky("infra"), flaky("config", return_state=True)
 
-    with prefect_test_harness():
-        value, config_state = both()
+    value, config_state = both()
     assert value == "done" and attempts["infra"] == 3
     assert config_state.is_failed() and attempts["config"] == 1
 

@@ -11,7 +11,7 @@ import pytest
 
 from vime_engine.manifest import MANIFEST_NAME
 from tasks.staging import fetch, parse_source, stage_dataset, stage_model
-from tasks.storage import NotFoundError, open_storage
+from tasks.storage import NotFoundError, PermanentStorageError, open_storage
 
 RNG = random.Random(3)
 MODEL_V1 = {
@@ -176,3 +176,44 @@ def test_builtin_model_comes_from_the_machine_cache_and_an_older_builders_copy_i
     marker.write_text(json.dumps({"builtin": "tiny-qwen3"}))
     again = stage_model("builtin://tiny-qwen3", (tmp_path / "root-b").as_uri())
     assert again.revision == first.revision, "the stale copy was used instead of being rebuilt"
+
+
+STAGING_FAILURES = {
+    # case: (model source, storage root, error type, what the message must name)
+    "missing hub revision": ("hf://{repo}@no-such-rev", "{file_root}", NotFoundError,
+                             ["hf://models/{repo}@no-such-rev", "RevisionNotFound", "no branch, tag or commit"]),
+    "missing file:// model": ("file://{tmp}/no-such-model", "{file_root}", NotFoundError,
+                              ["file://{tmp}/no-such-model", "no such file or directory"]),
+    "missing bucket": ("builtin://tiny-qwen3", "s3://vf-missing-{n}/run-1", PermanentStorageError,
+                       ["s3://vf-missing-{n}/run-1", "NoSuchBucket", "the bucket does not exist"]),
+}
+
+
+@pytest.mark.parametrize("case", STAGING_FAILURES)
+def test_a_permanent_staging_error_fails_the_pipeline_once_as_itself(case, prefect_harness, hf_endpoint, hf_hub,
+                                                                      hf_model, storage_env, moto_endpoint,
+                                                                      monkeypatch, tmp_path):
+    """Not retried, and the flow's exception is the staging error naming the URI (not the AttributeError of a
+    flow that went on with a failed task's None)."""
+    from flows.params import EvaluationSettings, ModelSource, StorageTarget, TrainData
+    from flows.rl_pipeline import rl_pipeline
+    from tests.support.prefect_server import task_attempts
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    source, root, error, names = STAGING_FAILURES[case]
+    values = {"repo": hf_model[0], "tmp": tmp_path, "file_root": (tmp_path / "store").as_uri(),
+              "n": RNG.randrange(10**9)}
+    source, root, names = source.format(**values), root.format(**values), [n.format(**values) for n in names]
+    hub_requests = len(hf_hub.requests)
+
+    state = rl_pipeline(model=ModelSource(source=source), data=TrainData(source="builtin://arithmetic"),
+                        evaluation=EvaluationSettings(datasets=[]), storage=StorageTarget(root=root),
+                        return_state=True)
+    with pytest.raises(error) as failure:
+        state.result()
+    for name in names:
+        assert name in str(failure.value)
+    assert task_attempts(state.state_details.flow_run_id)["stage_model"] == 1
+    if source.startswith("hf://"):  # one question to the Hub: its 404 is an answer, not a fault
+        asked = [p for _, p in hf_hub.requests[hub_requests:] if "no-such-rev" in p]
+        assert asked == [f"/api/models/{hf_model[0]}/revision/no-such-rev"]

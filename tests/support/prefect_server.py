@@ -82,6 +82,25 @@ def prefect_api(tmp_path_factory) -> Iterator[PrefectAPI]:
                 os.environ[k] = v
 
 
+@pytest.fixture(scope="session")
+def prefect_harness() -> Iterator[None]:
+    """Prefect's test harness (a temporary server, about 10 s to start), once per session: in-process flows."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness():
+        yield
+
+
+def task_attempts(flow_run_id) -> dict[str, int]:
+    """How often each task of a flow run (in-process, under prefect_harness) ran, retries included."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name.rsplit("-", 1)[0]: run.run_count for run in runs}
+
+
 def wait_for_flow_run(api: PrefectAPI, flow_run_id: str, timeout: float = 600) -> dict:
     """Poll until the flow run is in a final state; returns its JSON."""
     deadline = time.monotonic() + timeout
