@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -11,6 +12,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training of LLMs as a workflow.")
 console = Console()
+errors = Console(stderr=True, soft_wrap=True, highlight=False)  # soft_wrap: a long message stays one line
+VERBOSE_HELP = "on an error, print its traceback too (else one message)"
+EXIT_USER_ERROR = 2  # input the user can fix: configuration, data, model directory, checkpoint
+EXIT_FAILURE = 1
 DEFAULT_TRAIN_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train-demo.yaml"
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -29,6 +34,66 @@ def _engine_config(config: Path | None, extra: list[str]):
     return from_flat(resolve_config_assets(values))
 
 
+def _cause(exc: BaseException) -> BaseException:
+    """The error a Ray worker raised, not Ray's wrapper around it (whose text is the remote traceback)."""
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    while ray_exceptions is not None and isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    return exc
+
+
+def _fail(exc: BaseException, verbose: bool, user_errors: tuple[type[BaseException], ...] = ()) -> typer.Exit:
+    """End the command with one message on stderr (after the traceback with --verbose): exit 2 for input the
+    user can fix (the engine's errors of that kind, and `user_errors`), 1 for anything else."""
+    import traceback
+
+    from pydantic import ValidationError
+    from rich.text import Text
+
+    from vime_engine.checkpoint import CheckpointError
+    from vime_engine.config import ConfigError
+    from vime_engine.data.datasets import DatasetError
+
+    cause = _cause(exc)
+    if verbose:
+        errors.print("".join(traceback.format_exception(exc)), markup=False, end="")
+    if isinstance(cause, (ConfigError, DatasetError, CheckpointError, ValidationError, *user_errors)):
+        errors.print(Text("error: ", style="bold red") + Text(str(cause)))
+        return typer.Exit(EXIT_USER_ERROR)
+    errors.print(Text("error: ", style="bold red") + Text(f"{type(cause).__name__}: {cause}"))
+    if not verbose:
+        errors.print("run again with --verbose for the traceback")
+    return typer.Exit(EXIT_FAILURE)
+
+
+class _WithoutTraceback(logging.Formatter):
+    """Formats a record as `inner` does, leaving out its traceback."""
+
+    def __init__(self, inner: logging.Formatter):
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def _console_logs_without_tracebacks() -> None:
+    """Prefect prints the traceback of every failed task and flow on the console; without --verbose the console
+    keeps their one-line log (the tracebacks still reach the Prefect API, so the UI shows them)."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *(lg for lg in logging.root.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    for handler in {h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)}:
+        if handler.formatter is not None and not isinstance(handler.formatter, _WithoutTraceback):
+            handler.setFormatter(_WithoutTraceback(handler.formatter))
+
+
 def _summary(rollout_id: int, m: dict) -> str:
     parts = [f"rollout {rollout_id:>4}", f"reward {m['rollout/raw_reward']:.3f}",
              f"len {m['rollout/response_len/mean']:.1f}", f"kl {m.get('train/ppo_kl', 0):.2e}",
@@ -43,17 +108,16 @@ def _summary(rollout_id: int, m: dict) -> str:
 def train(
     ctx: typer.Context,
     config: Path = typer.Option(None, "--config", help="YAML of vime flags (default: configs/train-demo.yaml)"),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Run GRPO-style RL with vime flags, e.g. `vimeflow train --config my.yaml --num-rollout 20`."""
-    from vime_engine.config import ConfigError
     from vime_engine.runtime.driver import train as run_training
     from vime_engine.runtime.preemption import Preempted
 
     try:
         cfg = _engine_config(config or (None if ctx.args else DEFAULT_TRAIN_CONFIG), list(ctx.args))
-    except (ConfigError, ValueError) as exc:
-        console.print(f"[red]configuration error:[/red] {exc}")
-        raise typer.Exit(2) from None
+    except Exception as exc:  # noqa: BLE001  (one message; the traceback only with --verbose)
+        raise _fail(exc, verbose) from None
     progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console)
     with progress:
@@ -68,26 +132,39 @@ def train(
         except Preempted as exc:
             console.print(f"[yellow]{exc}[/yellow]")
             raise typer.Exit(exc.exit_code) from None
+        except Exception as exc:  # noqa: BLE001
+            progress.stop()
+            raise _fail(exc, verbose) from None
     console.print(f"metrics: {Path(cfg.logging.output_dir) / 'metrics.jsonl'}")
     if result.checkpoint is not None:
         console.print(f"checkpoint: {result.checkpoint.path}")
 
 
 @app.command()
-def run(config: Path = typer.Option(None, "--config", help="pipeline YAML (flows/params.py: model, data, "
-                                                         "engine.flags, training, evaluation, storage, image)")) -> None:
+def run(
+    config: Path = typer.Option(None, "--config", help="pipeline YAML (flows/params.py: model, data, engine.flags, "
+                                "training, evaluation, storage, image)"),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
+) -> None:
     """The whole pipeline (stage → convert → train in chunks → evaluate → publish) on the embedded default or
     --config; Prefect's ephemeral API unless PREFECT_API_URL is set. Re-running resumes where it stopped."""
     from flows.params import load_params
 
     try:
         params = load_params(config)
-    except (OSError, ValueError) as exc:
-        console.print(f"[red]configuration error:[/red] {exc}")
-        raise typer.Exit(2) from None
+    except Exception as exc:  # noqa: BLE001
+        raise _fail(exc, verbose, (OSError,)) from None
     from flows.rl_pipeline import rl_pipeline
+    from tasks.engine_process import EngineConfigFailure
+    from tasks.images import ImageCheckError
+    from tasks.storage_errors import PermanentStorageError
 
-    outcome = rl_pipeline(**params.as_flow_kwargs())
+    if not verbose:
+        _console_logs_without_tracebacks()
+    try:
+        outcome = rl_pipeline(**params.as_flow_kwargs())
+    except Exception as exc:  # noqa: BLE001  (Prefect has logged the failed task; here one message)
+        raise _fail(exc, verbose, (EngineConfigFailure, PermanentStorageError, ImageCheckError)) from None
     for key, value in outcome.summary.items():
         console.print(f"  {key:<32} {'—' if value is None else f'{value:.4g}'}")
     console.print(f"report: [bold]{outcome.report_uri}[/bold]")

@@ -171,7 +171,6 @@ def load_params(path: str | Path | None) -> PipelineParams:
     """PipelineParams from a YAML file (the embedded default when None)."""
     if path is None:
         return PipelineParams()
-    import yaml
+    from vime_engine.config import load_yaml
 
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    return PipelineParams.model_validate(data)
+    return PipelineParams.model_validate(load_yaml(path))

@@ -8,7 +8,6 @@ a missing source, a refused credential or a wrong image fails at once, as itself
 
 from __future__ import annotations
 
-import importlib.util
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from tasks import images, staging
 from tasks.retry_policy import retry_on
 from tasks.staging import StagedAsset
 from tasks.storage import TransientStorageError, open_storage
+from vime_engine.preflight import require_megatron
 
 
 @task(name="check_image", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_on(images.RegistryError))
@@ -68,10 +68,7 @@ def convert_checkpoint(model: StagedAsset, train_backend: str, storage_root: str
 
 def _hf_to_megatron(model: StagedAsset, storage_root: str) -> tuple[str, str]:
     """Convert the staged HF model to torch_dist (verified by a round trip) and commit it beside the source."""
-    if importlib.util.find_spec("megatron.core") is None:
-        raise RuntimeError(
-            "--train-backend megatron needs megatron-core and megatron-bridge in this environment (the CUDA / NPU "
-            "images, or scripts/ensure-venv-megatron); train with --train-backend torch here")
+    require_megatron()  # the install hint, before anything is fetched
     from vime_engine.convert import convert_checkpoint as convert
     from vime_engine.runtime.devices import resolve_accelerator
 

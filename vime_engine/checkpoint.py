@@ -164,16 +164,26 @@ def candidates(root: Path | str | None, content: bool = False) -> Iterator[Check
     root = Path(root)
     ids = sorted(_rollout_ids(root), reverse=True)
     pointer = root / LATEST
+    dangling = None  # what LATEST names when that is not a checkpoint directory here
     if pointer.is_file():
-        m = _DIR_RE.match(pointer.read_text().strip())
+        named = pointer.read_text(errors="replace").strip()
+        m = _DIR_RE.match(named)
         if m and int(m.group(1)) in ids:  # LATEST first; newer unpointed dirs are unfinished saves
             latest = int(m.group(1))
             ids = [latest] + [i for i in ids if i < latest]
+        else:
+            dangling = named
     for rollout_id in ids:
         try:
-            yield validate(checkpoint_dir(root, rollout_id), content)
+            found = validate(checkpoint_dir(root, rollout_id), content)
         except CheckpointError as exc:
             log.warning("skipping checkpoint: %s", exc)
+            continue
+        if dangling is not None:
+            log.warning("%s names %r, which is not a checkpoint directory there; using the newest checkpoint, %s, "
+                        "instead", pointer, dangling[:80], found.path.name)
+            dangling = None
+        yield found
 
 
 def find_latest(root: Path | str | None, content: bool = True) -> CheckpointRef | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +39,9 @@ class DataConfig(_Section):
     apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's chat template")
     rollout_shuffle: bool = Field(False, description="shuffle the prompts every epoch")
     rollout_seed: int = 42
-    rollout_max_prompt_len: int | None = Field(None, description="drop prompts longer than this many tokens")
+    rollout_max_prompt_len: int | None = Field(
+        None, ge=1, description="drop prompts longer than this many tokens (chat template applied), train and eval"
+    )
 
 
 class RolloutConfig(_Section):
@@ -307,6 +310,7 @@ def _check_combinations(cfg: EngineConfig) -> None:
             f"--advantage-estimator {a.advantage_estimator} compares samples of one prompt: "
             "set --n-samples-per-prompt to 2 or more"
         )
+    _check_kl_flags(a)
     if cfg.placement.async_rollout and cfg.placement.colocate:
         raise ConfigError("--async-rollout needs the rollout engine on its own actor: drop --colocate")
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
@@ -359,6 +363,24 @@ def _check_rm_url(cfg: EngineConfig) -> None:
         )
     if url and not url.startswith(("http://", "https://")):
         raise ConfigError(f"--rm-url {url!r}: expected an http:// or https:// URL, e.g. http://127.0.0.1:8000/")
+
+
+# Estimators that fold --kl-coef into the reward (algorithms/advantages.py); the others never read it.
+REWARD_KL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+def _check_kl_flags(a: AlgorithmConfig) -> None:
+    if a.kl_coef != 0 and a.advantage_estimator not in REWARD_KL_ESTIMATORS:
+        raise ConfigError(
+            f"--kl-coef {a.kl_coef} is a KL penalty in the reward, which --advantage-estimator "
+            f"{a.advantage_estimator} does not use: for a KL term in the loss use --use-kl-loss --kl-loss-coef "
+            f"{a.kl_coef}, or use --advantage-estimator {' or '.join(REWARD_KL_ESTIMATORS)}; else drop --kl-coef"
+        )
+    if a.kl_loss_coef != 0 and not a.use_kl_loss:
+        raise ConfigError(
+            f"--kl-loss-coef {a.kl_loss_coef} is read only with --use-kl-loss: add --use-kl-loss, or drop "
+            "--kl-loss-coef"
+        )
 
 
 # -- building from YAML and flags -------------------------------------------------------------------------------
@@ -419,14 +441,61 @@ def _unknown_message(flags: list[str]) -> str:
     return "; ".join(parts)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last
+    value silently, so a config edited in two places would train with whichever came later)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may be repeated by design
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # the base constructor reports unhashable keys itself
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {first_line[key] + 1}); keep one of them",
+                    key_node.start_mark,
+                )
+            first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """The flat flag values of a YAML file; every problem is a ConfigError naming the file and, for syntax
+    errors and duplicate keys, the line."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"--config {path}: no such file")
-    data = yaml.safe_load(path.read_text()) or {}
+        raise ConfigError(f"--config {path}: no such file" + (" (it is a directory)" if path.is_dir() else ""))
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except yaml.MarkedYAMLError as exc:
+        raise ConfigError(_yaml_error_message(path, exc)) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML ({exc})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values, found {type(data).__name__}")
+    not_names = [k for k in data if not isinstance(k, str)]
+    if not_names:
+        raise ConfigError(
+            f"--config {path}: {not_names[0]!r} is not a flag name; keys are names like rollout-batch-size"
+        )
     return data
+
+
+def _yaml_error_message(path: Path, exc: yaml.MarkedYAMLError) -> str:
+    mark = exc.problem_mark or exc.context_mark
+    where = f"--config {path}, line {mark.line + 1}, column {mark.column + 1}" if mark else f"--config {path}"
+    problem = exc.problem or exc.context or "not valid YAML"
+    if exc.problem and exc.context and exc.context_mark and exc.context_mark.line != mark.line:
+        problem += f" ({exc.context} that starts on line {exc.context_mark.line + 1}: close it there)"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    line = lines[mark.line] if mark and mark.line < len(lines) else ""
+    hint = "; YAML indents with spaces, never tabs: replace the tab with spaces" if "\t" in line else ""
+    return f"{where}: {problem}{hint}"
 
 
 def parse_flags(argv: list[str]) -> dict[str, Any]:

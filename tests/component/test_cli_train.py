@@ -72,4 +72,4 @@ def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path,
 def test_bad_flag_fails_before_any_model_loads(tmp_path):
     run = _vimeflow("--hf-checkpoint", "x", "--prompt-data", "y", "--global-batch-size", "3")
     assert run.returncode == 2
-    assert "--global-batch-size 3 does not divide" in run.stdout
+    assert "--global-batch-size 3 does not divide" in run.stderr and "Traceback" not in run.stderr

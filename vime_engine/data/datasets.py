@@ -6,6 +6,7 @@ Shapes met in practice, all read by choosing the keys (vime's `--input-key` / `-
 - gsm8k: `question`, and `answer` ending in a `#### N` line: the label becomes N;
 - aime-2024: `prompt` (text or messages) or `problem`, and `label` or `answer` (text or integer).
 A key may also be a dotted path into a nested object (`reward_model.ground_truth`).
+A path may end in a row slice as in vime/slime: `data.jsonl@[0:1000]` reads the first 1000 rows.
 """
 
 from __future__ import annotations
@@ -14,17 +15,24 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from vime_engine.data.records import ChatMessage, Prompt, PromptRecord
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 
 _GSM8K_FINAL = re.compile(r"^\s*####\s*(.+?)\s*$", re.MULTILINE)
+# vime/slime's row slice: `data.jsonl@[0:1000]` reads rows 0..999 (Python slice semantics, bounds optional).
+_ROW_SLICE = re.compile(r"^(?P<path>.+)@\[(?P<bounds>[^\]]*)\]$")
 
 
 class DatasetError(ValueError):
     """A dataset file that cannot be read as prompts; the message names file, row and key."""
+
+
+class NumberedRecord(NamedTuple):
+    row: int  # the row's number in its file, from 1 (for .jsonl the line number)
+    record: PromptRecord
 
 
 def load_prompt_dataset(
@@ -33,17 +41,49 @@ def load_prompt_dataset(
     label_key: str = "label",
     metadata_key: str | None = None,
 ) -> list[PromptRecord]:
-    """Read every row of `path` into a `PromptRecord`, in file order.
+    """Read every row of `path` (or of its row slice `path@[a:b]`) into a `PromptRecord`, in file order.
 
     Rows are numbered from 1 (for `.jsonl`, the line number, blank lines skipped but counted).
     Any problem is a `DatasetError` naming the file, the row, the key and what was found.
     """
-    path = Path(path)
-    rows = _read_rows(path)
-    records = [_to_record(path, row_number, row, input_key, label_key, metadata_key) for row_number, row in rows]
-    if not records:
-        raise DatasetError(f"{path}: the dataset has no rows")
-    return records
+    return [n.record for n in read_prompt_rows(path, input_key, label_key, metadata_key)]
+
+
+def read_prompt_rows(
+    path: str | Path,
+    input_key: str = "prompt",
+    label_key: str = "label",
+    metadata_key: str | None = None,
+    flag_prefix: str = "--",
+) -> list[NumberedRecord]:
+    """`load_prompt_dataset` with each record's row number, for messages about a row found later.
+    `flag_prefix` names the key flags in messages: `--eval-` for an eval set (`--eval-input-key`)."""
+    file, rows_slice = split_row_slice(str(path))
+    rows = list(_read_rows(file))
+    selected = rows[rows_slice] if rows_slice is not None else rows
+    if not selected:
+        if rows:
+            raise DatasetError(f"{path}: the slice selects none of the file's {len(rows)} rows")
+        raise DatasetError(f"{file}: the dataset has no rows; write one JSON object per line")
+    return [
+        NumberedRecord(number, _to_record(file, number, row, input_key, label_key, metadata_key, flag_prefix))
+        for number, row in selected
+    ]
+
+
+def split_row_slice(spec: str) -> tuple[Path, slice | None]:
+    """`data.jsonl@[a:b]` → (Path("data.jsonl"), slice(a, b)); a plain path → (Path(spec), None)."""
+    m = _ROW_SLICE.match(spec)
+    if m is None:
+        return Path(spec), None
+    bounds = m.group("bounds").split(":")
+    if len(bounds) != 2 or not all(re.fullmatch(r"\s*(-?\d+)?\s*", b) for b in bounds):
+        raise DatasetError(
+            f"{spec}: a row slice is @[START:END] with integers (either may be left out), e.g. "
+            f"{m.group('path')}@[0:1000]"
+        )
+    start, stop = (int(b) if b.strip() else None for b in bounds)
+    return Path(m.group("path")), slice(start, stop)
 
 
 def _read_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -52,30 +92,42 @@ def _read_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             f"{path}: unsupported file extension {path.suffix!r}; supported: {', '.join(SUPPORTED_EXTENSIONS)}"
         )
     if not path.is_file():
-        raise DatasetError(f"{path}: no such file")
+        raise DatasetError(f"{path}: " + ("a directory, not a dataset file" if path.is_dir() else "no such file"))
     if path.suffix == ".jsonl":
         return _read_jsonl(path)
     return _read_parquet(path)
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with path.open(encoding="utf-8") as f:
-        try:
-            lines = list(f)
-        except UnicodeDecodeError as exc:
-            raise DatasetError(f"{path}: not UTF-8 text ({exc})") from exc
     rows = []
-    for line_number, line in enumerate(lines, start=1):
+    for line_number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        try:
+            # utf-8-sig on the first line: a byte-order mark some editors write is not part of the JSON
+            line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise DatasetError(
+                f"{path}, row {line_number}: not UTF-8 text (byte {exc.start + 1} of the line is "
+                f"0x{raw[exc.start]:02x}); convert the file to UTF-8"
+            ) from None
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}, row {line_number}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            raise DatasetError(
+                f"{path}, row {line_number}: not valid JSON ({exc.msg} at column {exc.colno}, near "
+                f"{_near(line, exc.pos)}); each row must be one JSON object on one line"
+            ) from None
         if not isinstance(row, dict):
             raise DatasetError(f"{path}, row {line_number}: expected a JSON object, found {type(row).__name__}")
         rows.append((line_number, row))
     return iter(rows)
+
+
+def _near(line: str, pos: int) -> str:
+    """The text around a parse error, the error's position marked with `⟨here⟩`."""
+    before, after = line[max(0, pos - 24):pos], line[pos:pos + 16].rstrip("\r\n")
+    return f"{'…' if pos > 24 else ''}{before}⟨here⟩{after}{'…' if pos + 16 < len(line.rstrip()) else ''}"
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -90,14 +142,15 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def _to_record(
-    path: Path, row_number: int, row: dict[str, Any], input_key: str, label_key: str, metadata_key: str | None
+    path: Path, row_number: int, row: dict[str, Any], input_key: str, label_key: str, metadata_key: str | None,
+    flag_prefix: str = "--",
 ) -> PromptRecord:
     where = f"{path}, row {row_number}"
-    prompt = _prompt(where, input_key, _lookup(where, row, input_key, "--input-key"))
-    label = _label(where, label_key, _lookup(where, row, label_key, "--label-key"))
+    prompt = _prompt(where, input_key, _lookup(where, row, input_key, f"{flag_prefix}input-key"))
+    label = _label(where, label_key, _lookup(where, row, label_key, f"{flag_prefix}label-key"))
     metadata = {}
     if metadata_key is not None:
-        metadata = _metadata(where, metadata_key, _lookup(where, row, metadata_key, "--metadata-key"))
+        metadata = _metadata(where, metadata_key, _lookup(where, row, metadata_key, f"{flag_prefix}metadata-key"))
     return PromptRecord(prompt=prompt, label=label, metadata=metadata)
 
 
@@ -151,7 +204,11 @@ def _label(where: str, key: str, value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     final = _GSM8K_FINAL.findall(value)
-    return final[-1] if final else value.strip()
+    label = final[-1] if final else value.strip()
+    if not label:
+        raise DatasetError(f"{where}, key {key!r}: the label is empty; every prompt needs the reference answer "
+                           "its responses are graded against: fill it in or drop the row")
+    return label
 
 
 def _metadata(where: str, key: str, value: Any) -> dict[str, Any]:

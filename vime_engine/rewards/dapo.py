@@ -35,6 +35,8 @@ def dapo_reward(response: str, label: str) -> float:
     if line is None:
         return INCORRECT
     answer, gold = normalise_answer(line), normalise_answer(label)
+    if not answer or not gold:  # `Answer: ` with nothing after it answers nothing, even against an empty label
+        return INCORRECT
     if _NUMBER.fullmatch(answer) and _NUMBER.fullmatch(gold):
         return CORRECT if Fraction(answer) == Fraction(gold) else INCORRECT
     return CORRECT if answer == gold else INCORRECT

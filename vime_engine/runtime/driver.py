@@ -13,6 +13,7 @@ from typing import Any
 
 from vime_engine.config import EngineConfig
 from vime_engine.metrics import rollout_metrics, version_metrics
+from vime_engine.preflight import preflight
 from vime_engine.rollout.dynamic_sampling import collect_groups
 from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.devices import resolve_accelerator
@@ -34,6 +35,7 @@ class RunResult:
 def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: RolloutCallback | None = None) -> RunResult:
     """Run rollouts from the resume point (or 0) up to `end_rollout_id` (default `--num-rollout`)."""
     end = cfg.rollout.num_rollout if end_rollout_id is None else end_rollout_id
+    preflight(cfg)  # model, checkpoints and every data row, before Ray or any worker starts
     with ray_cluster(cfg.placement.ray_address), PreemptionGuard() as preemption:
         ctx = RunContext.open(cfg, Workers(cfg, resolve_accelerator(cfg.placement.device)))
         state, workers, result = ctx.state, ctx.workers, RunResult()

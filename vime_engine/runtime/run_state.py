@@ -12,7 +12,7 @@ import ray
 
 from vime_engine import checkpoint as ckpt
 from vime_engine.config import ConfigError, EngineConfig
-from vime_engine.data.datasets import load_prompt_dataset
+from vime_engine.data.prompt_length import load_prompts
 from vime_engine.data.records import PromptRecord
 from vime_engine.data.source import DataSource
 from vime_engine.evaluation import summarize, write_results
@@ -56,7 +56,7 @@ class RunContext:
     @classmethod
     def open(cls, cfg: EngineConfig, workers: Workers) -> RunContext:
         d = cfg.data
-        data = DataSource(load_prompt_dataset(d.prompt_data, d.input_key, d.label_key, d.metadata_key),
+        data = DataSource(load_prompts(cfg, d.prompt_data, d.input_key, d.label_key, d.metadata_key),
                           shuffle=d.rollout_shuffle, seed=d.rollout_seed)
         sink = MetricsSink(cfg.logging.output_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb)
         state = RunState()
@@ -186,8 +186,8 @@ def run_evaluations(cfg: EngineConfig, workers: Workers, rollout_id: int) -> dic
     )
     metrics: dict[str, float] = {}
     for name, path in cfg.eval_datasets:
-        records = load_prompt_dataset(path, e.eval_input_key or cfg.data.input_key,
-                                      e.eval_label_key or cfg.data.label_key)
+        records = load_prompts(cfg, path, e.eval_input_key or cfg.data.input_key,
+                               e.eval_label_key or cfg.data.label_key)
         samples = ray.get(workers.generate(records, max(rollout_id, 0), 0, plan(name)))
         values, rows = summarize(name, samples, e.n_samples_per_eval_prompt)
         write_results(Path(cfg.logging.output_dir) / "eval" / f"{name}_rollout_{rollout_id + 1:07d}.jsonl", rows)

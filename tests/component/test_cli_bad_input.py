@@ -1,0 +1,78 @@
+"""Bad input through the real CLI: one readable message on stderr, a non-zero exit, no traceback unless --verbose,
+and nothing started or written (the table of cases is tests/unit/test_bad_input.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vime_engine.preflight import module_available
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _vimeflow(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    path = tmp_path / "data.jsonl"
+    rows = [json.dumps({"prompt": f"What is {i} + 1?", "label": str(i + 1)}) for i in range(2)]
+    path.write_bytes(("\n".join(rows) + "\n").encode() + b'{"prompt": "caf\xe9", "label": "1"}\n')
+    return path
+
+
+CASES = [
+    # (id, extra CLI arguments, config file text or None, what stderr must name)
+    ("non-utf8-row", ["--output-dir", "{tmp}/out"], None, ["data.jsonl, row 3", "not UTF-8", "convert the file"]),
+    ("duplicate-yaml-key", ["--output-dir", "{tmp}/out"], "num-rollout: 1\nnum-rollout: 2\n",
+     ["c.yaml, line 2", "duplicate key 'num-rollout'"]),
+    ("kl-coef-with-grpo", ["--kl-coef", "0.1", "--output-dir", "{tmp}/out"], None,
+     ["--kl-coef 0.1", "--use-kl-loss --kl-loss-coef 0.1"]),
+    ("megatron-missing", ["--train-backend", "megatron", "--output-dir", "{tmp}/out"], None,
+     ["--train-backend megatron needs megatron-core", "scripts/ensure-venv-megatron"]),
+]
+
+
+MEGATRON_HERE = pytest.mark.skipif(module_available("megatron.core"), reason="megatron-core is installed here")
+
+
+@pytest.mark.parametrize(("extra", "config", "named"), [
+    pytest.param(*c[1:], id=c[0], marks=[MEGATRON_HERE] if "megatron" in c[0] else []) for c in CASES
+])
+def test_train_refuses_bad_input_with_one_message_before_ray_starts(tmp_path, tiny_model, data, extra, config,
+                                                                     named):
+    args = ["train", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(data),
+            *(a.format(tmp=tmp_path) for a in extra)]
+    if config is not None:
+        (tmp_path / "c.yaml").write_text(config)
+        args += ["--config", str(tmp_path / "c.yaml")]
+    run = _vimeflow(*args)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr and "Traceback" not in run.stdout
+    assert sum(line.startswith("error:") for line in run.stderr.splitlines()) == 1, run.stderr
+    message = run.stderr[run.stderr.index("error:"):]  # the one message, the last thing printed
+    for part in named:
+        assert part in message, message
+    assert not (tmp_path / "out").exists()  # nothing written: the run stopped before its workers and metrics
+
+
+def test_verbose_adds_the_traceback(tmp_path, tiny_model, data):
+    run = _vimeflow("train", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(data), "--verbose")
+    assert run.returncode == 2
+    assert "Traceback" in run.stderr and "preflight" in run.stderr
+    assert run.stderr.rstrip().splitlines()[-1].startswith("error:")
+
+
+def test_run_names_the_yaml_line_of_a_tab(tmp_path):
+    (tmp_path / "pipeline.yaml").write_text("training:\n\tnum_rollouts: 2\n")
+    run = _vimeflow("run", "--config", str(tmp_path / "pipeline.yaml"))
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    assert "pipeline.yaml, line 2" in run.stderr and "never tabs" in run.stderr

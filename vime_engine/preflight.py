@@ -1,0 +1,226 @@
+"""Checks of everything a run reads, made before any worker starts (and before Ray does).
+
+A mistake in the model directory, a checkpoint or any row of a dataset would otherwise surface seconds or
+minutes later inside a Ray actor or vLLM, as a traceback. `preflight(cfg)` reads them all first: the training
+backend's packages, the model and reference directories, `--load` and the checkpoint a run would resume from,
+the custom functions it would import, and every row of the training and eval datasets (keys, types, labels the
+reward can grade, prompts that render and fit the model's context). Each failure is a `PreflightError`, a
+`ConfigError`: one message naming the flag, file or row and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from vime_engine import checkpoint as ckpt
+from vime_engine.config import ConfigError, EngineConfig
+from vime_engine.data.datasets import DatasetError, read_prompt_rows
+from vime_engine.data.prompt_length import FLAG as MAX_PROMPT_FLAG
+from vime_engine.data.prompt_length import load_tokenizer, prompt_lengths, short_enough
+from vime_engine.rewards.labels import label_problem
+
+log = logging.getLogger(__name__)
+MEGATRON_MODULES = ("megatron.core", "megatron.bridge")
+CHECKPOINT_WEIGHTS = "model.safetensors"  # the torch backend's weights inside rollout_NNNNNNN/
+# One of these holds a tokenizer's vocabulary (fast, sentencepiece, or BPE vocab + merges).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class PreflightError(ConfigError):
+    """Input that cannot train; the message names the flag, file or row and the fix."""
+
+
+def preflight(cfg: EngineConfig) -> None:
+    """Refuse the run now, with one message, if anything it reads is missing or malformed."""
+    if cfg.train.train_backend == "megatron":
+        require_megatron()
+    model_config = check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
+    if cfg.checkpoint.ref_load is not None:
+        check_model_dir(cfg.checkpoint.ref_load, "--ref-load")
+    _check_plugins(cfg)
+    _check_checkpoints(cfg)
+    tokenizer = _tokenizer(cfg.model.hf_checkpoint)
+    context = cfg.rollout.vllm_max_model_len or _max_positions(model_config)
+    train_rm = None if cfg.reward.custom_rm_path else cfg.reward.rm_type
+    d, e = cfg.data, cfg.eval
+    _check_dataset(cfg, "--prompt-data", d.prompt_data, (d.input_key, d.label_key, d.metadata_key, "--"),
+                   train_rm, cfg.rollout.rollout_max_response_len, tokenizer, context)
+    for name, path in cfg.eval_datasets:
+        _check_dataset(cfg, f"--eval-prompt-data {name}", path,
+                       (e.eval_input_key or d.input_key, e.eval_label_key or d.label_key, None, "--eval-"),
+                       e.eval_rm_type or train_rm, e.eval_max_response_len or cfg.rollout.rollout_max_response_len,
+                       tokenizer, context)
+
+
+def module_available(name: str) -> bool:
+    """Whether `name` can be imported; `find_spec("a.b")` raises instead of answering when `a` is absent."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def require_megatron() -> None:
+    missing = [m for m in MEGATRON_MODULES if not module_available(m)]
+    if missing:
+        raise PreflightError(
+            f"--train-backend megatron needs {' and '.join(m.replace('.', '-') for m in missing)}, which this "
+            "environment lacks: use the CUDA / NPU image or the Python 3.12 environment made by "
+            "scripts/ensure-venv-megatron, or train with --train-backend torch here"
+        )
+
+
+def check_model_dir(path: str, flag: str) -> dict[str, Any]:
+    """The model's config.json, after checking `path` is a local HF model directory with weights."""
+    directory = Path(path)
+    fix = "give a local HF model directory (config.json, weights and tokenizer files, as save_pretrained writes)"
+    if not directory.exists():
+        raise PreflightError(f"{flag} {path}: no such directory; {fix}, or builtin://tiny-qwen3")
+    if not directory.is_dir():
+        raise PreflightError(f"{flag} {path}: a file, not a directory; {fix}")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        found = ", ".join(sorted(p.name for p in directory.iterdir())[:8]) or "nothing"
+        raise PreflightError(f"{flag} {path}: no config.json, so not an HF model directory (found: {found}); {fix}")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PreflightError(f"{flag} {config_file}: not valid JSON ({exc}); restore the model's config.json") from None
+    if not isinstance(config, dict):
+        raise PreflightError(f"{flag} {config_file}: expected a JSON object; restore the model's config.json")
+    if not any(directory.glob("*.safetensors")) and not any(directory.glob("pytorch_model*.bin")):
+        raise PreflightError(f"{flag} {path}: no weights (*.safetensors or pytorch_model*.bin); {fix}")
+    return config
+
+
+def _max_positions(model_config: dict[str, Any]) -> int | None:
+    for section in (model_config, model_config.get("text_config") or {}):
+        if isinstance(section.get("max_position_embeddings"), int):
+            return section["max_position_embeddings"]
+    return None
+
+
+def _tokenizer(model_dir: str) -> Any:
+    fix = "the directory needs the tokenizer files save_pretrained writes (tokenizer.json, tokenizer_config.json)"
+    # Without them transformers 5 quietly builds an empty tokenizer that turns every prompt into no tokens.
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise PreflightError(f"--hf-checkpoint {model_dir}: no tokenizer ({', '.join(TOKENIZER_FILES)}); {fix}")
+    try:
+        return load_tokenizer(model_dir)
+    except Exception as exc:  # noqa: BLE001  (transformers raises OSError, ValueError, KeyError … for bad files)
+        raise PreflightError(
+            f"--hf-checkpoint {model_dir}: cannot load its tokenizer ({type(exc).__name__}: {exc}); {fix}"
+        ) from None
+
+
+def _check_plugins(cfg: EngineConfig) -> None:
+    """Import the user's functions now: a typo in their path or their file fails here, not in a worker."""
+    from vime_engine.rewards.custom import load_custom_reward
+    from vime_engine.rollout.dynamic_sampling import load_group_filter
+
+    try:
+        if cfg.reward.custom_rm_path:
+            load_custom_reward(cfg.reward.custom_rm_path)
+        if cfg.rollout.over_sampling_batch_size and cfg.rollout.dynamic_sampling_filter_path:
+            load_group_filter(cfg.rollout.dynamic_sampling_filter_path)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+
+
+def _check_checkpoints(cfg: EngineConfig) -> None:
+    c = cfg.checkpoint
+    if c.save is not None and Path(c.save).exists() and not Path(c.save).is_dir():
+        raise PreflightError(f"--save {c.save}: a file, not a directory; give a directory for the checkpoints")
+    if c.load is not None and c.load != c.save:  # --load X --save X is vime's resume-if-there idiom
+        load = Path(c.load)
+        fix = "give the --save directory of an earlier run, or drop --load to start from --hf-checkpoint"
+        if not load.is_dir():
+            raise PreflightError(f"--load {c.load}: {'a file' if load.exists() else 'no such directory'}; {fix}")
+        if not any(ckpt.candidates(load, content=False)):
+            raise PreflightError(f"--load {c.load}: holds no checkpoint (rollout_NNNNNNN/ with a manifest.json); {fix}")
+    root = c.load or c.save
+    if root is not None:
+        _check_same_model(root, "--load" if c.load else "--save", cfg.model.hf_checkpoint)
+
+
+def _check_same_model(root: str, flag: str, model_dir: str) -> None:
+    """The checkpoint LATEST names must hold weights of the --hf-checkpoint model (names and shapes from the
+    safetensors headers; nothing else is read). Other cases are the resume's own business: it skips invalid
+    checkpoints with a warning, and backends that do not save `model.safetensors` check their own files."""
+    pointer = Path(root) / ckpt.LATEST
+    if not pointer.is_file():
+        return
+    try:
+        found = ckpt.validate(Path(root) / pointer.read_text().strip(), content=False)
+    except (ckpt.CheckpointError, OSError, UnicodeDecodeError):
+        return
+    if CHECKPOINT_WEIGHTS not in found.manifest.files:
+        return
+    saved = _tensor_shapes([found.path / CHECKPOINT_WEIGHTS])
+    model = _tensor_shapes(sorted(Path(model_dir).glob("*.safetensors")))
+    if not saved or not model:
+        return
+    common = sorted(saved.keys() & model.keys())
+    differ = [n for n in common if saved[n] != model[n]]
+    if differ or not common:
+        example = (f"{differ[0]} is {saved[differ[0]]} there, {model[differ[0]]} in the model" if differ
+                   else f"no tensor names in common, e.g. {min(saved)} there")
+        raise PreflightError(
+            f"{flag} {root}: {found.path.name} holds the weights of another model than --hf-checkpoint {model_dir} "
+            f"({example}); resume with the model it was trained from, or start afresh with another --save directory"
+        )
+
+
+def _tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
+    from safetensors import SafetensorError, safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), "pt") as f:
+                shapes.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
+        except (SafetensorError, OSError):
+            return {}  # unreadable: the loader reports it with its own error
+    return shapes
+
+
+def _check_dataset(
+    cfg: EngineConfig, flag: str, path: str, keys: tuple[str, str, str | None, str], rm_type: str | None,
+    response_len: int, tokenizer: Any, context: int | None,
+) -> None:
+    """Every row: readable, its keys and types right, a label the reward can grade, a prompt that renders and,
+    within --rollout-max-prompt-len (longer ones are dropped at load, as in slime), fits the model's context."""
+    try:
+        rows = read_prompt_rows(path, *keys)
+        lengths = prompt_lengths(path, rows, tokenizer, cfg.data.apply_chat_template)
+        kept = short_enough(path, rows, lengths, cfg.data.rollout_max_prompt_len)
+    except DatasetError as exc:
+        raise PreflightError(f"{flag}: {exc}") from None
+    if rm_type is not None:
+        for row, record in (rows[i] for i in kept):
+            problem = label_problem(rm_type, record.label)
+            if problem:
+                raise PreflightError(
+                    f"{flag}: {path}, row {row}, key {keys[1]!r}: the label {record.label!r} {problem}; fix the "
+                    "row, or choose the reward that fits the data (--rm-type / --eval-rm-type / --custom-rm-path)"
+                )
+    if context is None:
+        return
+    room = context - response_len
+    source = "--vllm-max-model-len" if cfg.rollout.vllm_max_model_len else "the model's max_position_embeddings"
+    if room <= 0:
+        raise PreflightError(f"{flag}: the response budget {response_len} leaves no room for a prompt within "
+                             f"{source} {context}; lower the response length (--eval-max-response-len)")
+    too_long = [i for i in kept if lengths[i] > room]
+    if too_long:
+        first = rows[too_long[0]].row
+        more = f" (and {len(too_long) - 1} more rows)" if len(too_long) > 1 else ""
+        raise PreflightError(
+            f"{flag}: {path}, row {first}{more}: the prompt is {lengths[too_long[0]]} tokens, longer than the "
+            f"{room} the model leaves for it ({source} {context} minus the response budget {response_len}); "
+            f"drop such prompts with {MAX_PROMPT_FLAG} {room}, shorten them, or lower the response length"
+        )
