@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from vime_engine.data.prompt_length import FLAG as MAX_PROMPT_FLAG
 from vime_engine.data.prompt_length import load_tokenizer, prompt_lengths, short_enough
 from vime_engine.rewards.labels import label_problem
 
-log = logging.getLogger(__name__)
 MEGATRON_MODULES = ("megatron.core", "megatron.bridge")
 CHECKPOINT_WEIGHTS = "model.safetensors"  # the torch backend's weights inside rollout_NNNNNNN/
 # One of these holds a tokenizer's vocabulary (fast, sentencepiece, or BPE vocab + merges).
@@ -118,9 +116,17 @@ def _tokenizer(model_dir: str) -> Any:
 
 
 def _check_plugins(cfg: EngineConfig) -> None:
-    """Import the user's functions now: a typo in their path or their file fails here, not in a worker."""
+    """The reward types exist, and the user's functions import: a typo fails here, not in a worker."""
+    from vime_engine.rewards import BUILTIN_REWARDS, REMOTE_RM
     from vime_engine.rewards.custom import load_custom_reward
     from vime_engine.rollout.dynamic_sampling import load_group_filter
+
+    known = [*BUILTIN_REWARDS, REMOTE_RM]
+    train_rm = None if cfg.reward.custom_rm_path else cfg.reward.rm_type  # a custom reward takes precedence
+    for flag, rm_type in (("--rm-type", train_rm), ("--eval-rm-type", cfg.eval.eval_rm_type)):
+        if rm_type is not None and rm_type not in known:
+            raise PreflightError(f"{flag} {rm_type!r} is unknown; choose one of {', '.join(known)}, or give your "
+                                 "own function with --custom-rm-path")
 
     try:
         if cfg.reward.custom_rm_path:
