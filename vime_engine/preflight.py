@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from vime_engine.data.prompt_length import FLAG as MAX_PROMPT_FLAG
 from vime_engine.data.prompt_length import load_tokenizer, prompt_lengths, short_enough
 from vime_engine.rewards.labels import label_problem
 
+log = logging.getLogger(__name__)
 MEGATRON_MODULES = ("megatron.core", "megatron.bridge")
 CHECKPOINT_WEIGHTS = "model.safetensors"  # the torch backend's weights inside rollout_NNNNNNN/
 # One of these holds a tokenizer's vocabulary (fast, sentencepiece, or BPE vocab + merges).
@@ -216,17 +218,20 @@ def _check_dataset(
                 )
     if context is None:
         return
-    room = context - response_len
+    # vLLM refuses a prompt that fills the context; one that leaves less than the response budget is generated
+    # and its response stops at the context (as a truncated sample), which the user may mean (or want dropped).
     source = "--vllm-max-model-len" if cfg.rollout.vllm_max_model_len else "the model's max_position_embeddings"
-    if room <= 0:
-        raise PreflightError(f"{flag}: the response budget {response_len} leaves no room for a prompt within "
-                             f"{source} {context}; lower the response length (--eval-max-response-len)")
-    too_long = [i for i in kept if lengths[i] > room]
+    room = context - response_len
+    drop_hint = f"drop such prompts with {MAX_PROMPT_FLAG} {room if room > 0 else context - 1}"
+    too_long = [i for i in kept if lengths[i] >= context]
     if too_long:
         first = rows[too_long[0]].row
         more = f" (and {len(too_long) - 1} more rows)" if len(too_long) > 1 else ""
         raise PreflightError(
-            f"{flag}: {path}, row {first}{more}: the prompt is {lengths[too_long[0]]} tokens, longer than the "
-            f"{room} the model leaves for it ({source} {context} minus the response budget {response_len}); "
-            f"drop such prompts with {MAX_PROMPT_FLAG} {room}, shorten them, or lower the response length"
+            f"{flag}: {path}, row {first}{more}: the prompt is {lengths[too_long[0]]} tokens, which fills the "
+            f"model's context ({source} {context}) and leaves no room for a response; {drop_hint}, or shorten them"
         )
+    cut_short = sum(lengths[i] > room for i in kept)
+    if cut_short:
+        log.warning("%s: %d of %d prompts leave less than the response budget of %d tokens within %s %d, so their "
+                    "responses stop early; %s", path, cut_short, len(kept), response_len, source, context, drop_hint)

@@ -117,7 +117,7 @@ CASES = [
          {"data.jsonl": jsonl({"prompt": "p", "label": "$ $"})}, ("row 1", "--rm-type dapo", "fix the row")),
     Case("data-prompt-longer-than-context", {"vllm-max-model-len": 40, "rollout-max-response-len": 20},
          {"data.jsonl": jsonl(GOOD_ROW, {"prompt": "apples " * 40, "label": "1"}, GOOD_ROW)},
-         ("data.jsonl, row 2", "longer than the 20", "--vllm-max-model-len 40", "--rollout-max-prompt-len 20")),
+         ("data.jsonl, row 2", "fills the model's context (--vllm-max-model-len 40)", "--rollout-max-prompt-len 20")),
     Case("data-every-prompt-over-max-prompt-len", {"rollout-max-prompt-len": 2}, DATA,
          ("all 2 prompts are longer than --rollout-max-prompt-len 2", "raise --rollout-max-prompt-len")),
     Case("eval-data-missing-key", {"eval-prompt-data": ["aime", "{tmp}/eval.jsonl"]},
@@ -221,6 +221,17 @@ def test_max_prompt_len_drops_longer_prompts_at_load_and_says_how_many(tmp_path,
         records = load_prompts(cfg, cfg.data.prompt_data, "prompt", "label")
     assert [r.label for r in records] == ["5", "5"]
     assert "dropped 1 of 3 prompts longer than --rollout-max-prompt-len 20" in caplog.text
+
+
+def test_a_prompt_that_fits_the_context_but_not_the_response_budget_is_kept_with_a_warning(tmp_path, tiny_model,
+                                                                                           caplog):
+    (tmp_path / "d.jsonl").write_text(jsonl(GOOD_ROW, {"prompt": "apples " * 20, "label": "1"}))
+    cfg = from_flat({"hf-checkpoint": str(tiny_model), "prompt-data": f"{tmp_path}/d.jsonl",
+                     "vllm-max-model-len": 40, "rollout-max-response-len": 20})
+    with caplog.at_level(logging.WARNING):
+        preflight(cfg)
+    assert "1 of 2 prompts leave less than the response budget of 20 tokens" in caplog.text
+    assert "--rollout-max-prompt-len 20" in caplog.text
 
 
 def test_dapo_never_scores_an_empty_answer_as_correct():
