@@ -208,6 +208,10 @@ def _check_dataset(
         kept = short_enough(path, rows, lengths, cfg.data.rollout_max_prompt_len)
     except DatasetError as exc:
         raise PreflightError(f"{flag}: {exc}") from None
+    empty = [i for i in kept if lengths[i] == 0]
+    if empty:  # vLLM refuses an empty prompt
+        raise PreflightError(f"{flag}: {path}, row {rows[empty[0]].row}: the prompt is no tokens once tokenized; "
+                             "fix the row, or check the --hf-checkpoint tokenizer")
     if rm_type is not None:
         for row, record in (rows[i] for i in kept):
             problem = label_problem(rm_type, record.label)
