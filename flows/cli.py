@@ -214,7 +214,7 @@ def reward_server(
     host: str = typer.Option("127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)"),
     port: int = typer.Option(8000, help="port to listen on; 0 picks a free one"),
     rm_type: str = typer.Option("math", "--rm-type", help="the built-in reward to serve: math | gsm8k | dapo | "
-                                "deepscaler"),
+                                "deepscaler | code"),
 ) -> None:
     """Serve a reward over HTTP for `--rm-type remote_rm --rm-url http://HOST:PORT/` (POST / with JSON
     {prompt, response, label, id}); runs until Ctrl-C."""

@@ -65,7 +65,7 @@ class RolloutConfig(_Section):
 
 
 class RewardConfig(_Section):
-    rm_type: str = Field("math", description="math | gsm8k | dapo | deepscaler | remote_rm")
+    rm_type: str = Field("math", description="math | gsm8k | dapo | deepscaler | code | remote_rm")
     custom_rm_path: str | None = Field(None, description="module:function or file.py:function")
     rm_url: str | None = Field(None, description="reward server for remote_rm (--rm-type or --eval-rm-type)")
 

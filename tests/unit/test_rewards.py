@@ -136,7 +136,7 @@ def test_deepscaler_reward(response, label, reward):
 
 
 def test_builtin_names_resolve_to_their_functions():
-    assert set(BUILTIN_REWARDS) == {"math", "gsm8k", "dapo", "deepscaler"}
+    assert set(BUILTIN_REWARDS) == {"math", "gsm8k", "dapo", "deepscaler", "code"}
     for name, fn in BUILTIN_REWARDS.items():
         assert get_reward_fn(name) is fn
     assert get_reward_fn("gsm8k")("1 + 1 = 2", "2") == 1.0

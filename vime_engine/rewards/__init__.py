@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from vime_engine.rewards.batch import BatchRewardFn, PerSampleReward, RewardInput
 from vime_engine.rewards.boxed import last_boxed_content
+from vime_engine.rewards.code import code_reward, extract_code
 from vime_engine.rewards.custom import RewardFn, load_custom_reward
 from vime_engine.rewards.dapo import answer_line, dapo_reward
 from vime_engine.rewards.deepscaler import THINK_END, deepscaler_reward
@@ -17,6 +18,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_reward,
     "dapo": dapo_reward,
     "deepscaler": deepscaler_reward,
+    "code": code_reward,
 }
 REMOTE_RM = "remote_rm"
 
@@ -47,6 +49,8 @@ def get_batch_reward(rm_type: str, custom_rm_path: str | None = None, rm_url: st
 
 def extract_answer(rm_type: str, response: str) -> str | None:
     """The answer a built-in reward grades, for reports; None when it finds none (or for custom rewards)."""
+    if rm_type == "code":
+        return extract_code(response)
     if rm_type == "gsm8k":
         value = final_number(response)
         return None if value is None else str(value)
