@@ -154,7 +154,22 @@ class EvalConfig(_Section):
 class LoggingConfig(_Section):
     output_dir: str = Field("runs/latest", description="metrics.jsonl, tensorboard, eval results")
     use_tensorboard: bool = False
+    # A resumed run (the same --save) continues the same W&B and MLflow runs: vime_engine/tracking/.
     use_wandb: bool = False
+    wandb_project: str | None = Field(None, description="default: vimeflow")
+    wandb_team: str | None = Field(None, description="W&B entity; default: the account's default entity")
+    wandb_group: str | None = None
+    wandb_run_id: str | None = Field(None, description="W&B run to create or continue; default: kept in --save")
+    wandb_mode: Literal["online", "offline"] | None = Field(
+        None, description="default: W&B's own setting (WANDB_MODE, `wandb offline`); offline needs no network"
+    )
+    wandb_dir: str | None = Field(None, description="where W&B keeps its files; default: --output-dir")
+    use_mlflow: bool = False
+    mlflow_tracking_uri: str | None = Field(
+        None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///<output-dir>/mlflow.db"
+    )
+    mlflow_experiment_name: str | None = Field(None, description="where a new run is created; default: vimeflow")
+    mlflow_run_id: str | None = Field(None, description="an existing MLflow run to continue; default: kept in --save")
 
 
 # Megatron-Core flags: accepted so vime scripts carry over, handed to the Megatron backend untouched.
@@ -196,7 +211,7 @@ SECTIONS: dict[str, type[_Section]] = {
 NON_MATH_FIELDS = {
     "hf_checkpoint", "ref_load", "prompt_data", "custom_rm_path", "rm_url", "dynamic_sampling_filter_path",
     "num_rollout", "start_rollout_id", "save", "save_interval", "load", "keep_last", "save_hf",
-    "output_dir", "use_tensorboard", "use_wandb", "ray_address", "balance_data",
+    *LoggingConfig.model_fields, "ray_address", "balance_data",
     "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
     "eval_temperature", "eval_top_p", "eval_input_key", "eval_label_key", "eval_rm_type",
     "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "rollout_num_gpus", "rollout_num_gpus_per_engine",
@@ -339,6 +354,7 @@ def _check_combinations(cfg: EngineConfig) -> None:
     if cfg.eval.eval_interval is not None and not cfg.eval.eval_prompt_data:
         raise ConfigError("--eval-interval needs --eval-prompt-data NAME PATH")
     _check_rm_url(cfg)
+    _check_tracking(cfg.logging)
     if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None:
         raise ConfigError("--save-interval needs --save DIR")
     if t.train_backend == "torch":
@@ -347,6 +363,18 @@ def _check_combinations(cfg: EngineConfig) -> None:
             raise ConfigError(
                 f"{', '.join(parallel)} need --train-backend megatron (the torch backend runs one process)"
             )
+
+
+def _check_tracking(lg: LoggingConfig) -> None:
+    for tracker, used in (("wandb", lg.use_wandb), ("mlflow", lg.use_mlflow)):
+        unused = [_flag(k) for k, v in lg if k.startswith(f"{tracker}_") and v is not None and not used]
+        if unused:
+            raise ConfigError(f"{', '.join(unused)} take effect only with --use-{tracker}: add it, or drop them")
+    if lg.mlflow_run_id is not None and lg.mlflow_experiment_name is not None:
+        raise ConfigError(
+            "--mlflow-experiment-name names where a new run is created, but --mlflow-run-id continues a run that "
+            "has its experiment already: give one of them"
+        )
 
 
 def _check_rm_url(cfg: EngineConfig) -> None:

@@ -1,4 +1,4 @@
-"""One metrics sink: a jsonl line per rollout always, TensorBoard (and wandb) when asked."""
+"""vime's metrics of a rollout, and the one sink they go to (jsonl, TensorBoard, W&B, MLflow)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from vime_engine.config import EngineConfig
 from vime_engine.sample import Sample, SampleStatus
+from vime_engine.tracking import open_trackers
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -33,38 +35,48 @@ def version_metrics(samples: list[Sample], policy_version: int) -> dict[str, flo
 
 
 class MetricsSink:
-    def __init__(self, output_dir: str | Path, use_tensorboard: bool = False, use_wandb: bool = False):
-        self.dir = Path(output_dir)
+    """One sink for a run's metrics: a jsonl line per record always; TensorBoard, W&B and MLflow when asked."""
+
+    def __init__(self, cfg: EngineConfig):
+        lg = cfg.logging
+        self.dir = Path(lg.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         self.tensorboard = None
-        if use_tensorboard:
+        if lg.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(str(self.dir / "tensorboard"))
-        self.wandb = None
-        if use_wandb:
-            import wandb  # optional: only when asked for
-
-            self.wandb = wandb
+        self.trackers = open_trackers(cfg)
 
     def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         record = {"rollout_id": rollout_id, **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)):
-                if self.tensorboard is not None:
-                    self.tensorboard.add_scalar(key, value, rollout_id)
-        if self.wandb is not None:
-            self.wandb.log(record, step=rollout_id)
+        numbers = _numbers(metrics)
+        if self.tensorboard is not None:
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(key, value, rollout_id)
+        for tracker in self.trackers:
+            tracker.log(rollout_id, numbers)
 
     def rewrite(self, history: list[dict[str, Any]]) -> None:
-        """Make metrics.jsonl hold exactly `history` (a resumed run drops what came after its checkpoint)."""
+        """Make metrics.jsonl hold exactly `history` (a resumed run drops what came after its checkpoint), and
+        send the trackers what they lack of it (see vime_engine/tracking: they keep what they hold)."""
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(record, sort_keys=True) + "\n" for record in history))
         tmp.replace(self.path)
+        for record in history:
+            metrics = _numbers({k: v for k, v in record.items() if k != "rollout_id"})
+            for tracker in self.trackers:
+                tracker.log(record["rollout_id"], metrics)
 
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        for tracker in self.trackers:
+            tracker.close()
+
+
+def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -58,7 +58,7 @@ class RunContext:
         d = cfg.data
         data = DataSource(load_prompts(cfg, d.prompt_data, d.input_key, d.label_key, d.metadata_key),
                           shuffle=d.rollout_shuffle, seed=d.rollout_seed)
-        sink = MetricsSink(cfg.logging.output_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb)
+        sink = MetricsSink(cfg)
         state = RunState()
         # The sha256 of each file is checked as it is loaded; a corrupt newest checkpoint falls back to the next.
         for found in ckpt.candidates(cfg.checkpoint.load or cfg.checkpoint.save):
