@@ -71,7 +71,9 @@ class RemoteReward:
     ) -> float:
         request_id = uuid.uuid4().hex
         payload = {"prompt": item.prompt, "response": item.response, "label": item.label, "id": request_id}
-        for attempt in range(1, self.max_attempts + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             async with limit:
                 try:
                     answer = await client.post(self.url, json=payload)
@@ -87,14 +89,13 @@ class RemoteReward:
                             "and that the server takes JSON {prompt, response, label, id}"
                         )
                     problem = f"HTTP {answer.status_code} {answer.reason_phrase}"
-            if attempt == self.max_attempts:
+            if attempt >= self.max_attempts:
                 raise RemoteRewardError(
                     f"reward server {self.url} gave no reward after {attempt} tries (last: {problem}); "
                     "check that it is running and reachable from the rollout workers"
                 )
             delay = min(self.backoff_s * 2 ** (attempt - 1), self.backoff_cap_s)
             await asyncio.sleep(delay * jitter.uniform(0.5, 1.0))
-        raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 @functools.cache
