@@ -111,13 +111,16 @@ def train(
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Run GRPO-style RL with vime flags, e.g. `vimeflow train --config my.yaml --num-rollout 20`."""
-    from vime_engine.runtime.driver import train as run_training
-    from vime_engine.runtime.preemption import Preempted
+    from vime_engine.runtime.cluster import keep_local_ray_on_loopback
 
     try:
         cfg = _engine_config(config or (None if ctx.args else DEFAULT_TRAIN_CONFIG), list(ctx.args))
     except Exception as exc:  # noqa: BLE001  (one message; the traceback only with --verbose)
         raise _fail(exc, verbose) from None
+    keep_local_ray_on_loopback(cfg.placement.ray_address)  # before the driver imports Ray
+    from vime_engine.runtime.driver import train as run_training
+    from vime_engine.runtime.preemption import Preempted
+
     progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console)
     with progress:
@@ -182,31 +185,22 @@ def deploy() -> None:
 
 
 @app.command()
-def server(host: str = "127.0.0.1", port: int = 4200) -> None:
+def server(host: str = typer.Option("127.0.0.1", help="address to bind; another than loopback needs "
+                                    "PREFECT_SERVER_API_AUTH_STRING=USER:PASSWORD (basic auth)"),
+           port: int = 4200) -> None:
     """A Prefect server (SQLite by default; PostgreSQL via PREFECT_API_DATABASE_CONNECTION_URL), the
-    deployments and automations, and a process worker; runs until Ctrl-C."""
-    import os
+    deployments and automations, and a process worker; runs until Ctrl-C or SIGTERM, which stop all of it."""
+    from flows.deploy import ExposedServerError, serve
 
-    from flows.deploy import apply_deployments, create_automations, start_server, start_worker, ui_url
+    def ready(ui: str) -> None:
+        console.print(f"Prefect UI: [bold]{ui}[/bold]  (worker on pool vimeflow-process; Ctrl-C stops)")
 
-    api = f"http://{host}:{port}/api"
-    env = {**os.environ, "PREFECT_API_URL": api}
-    os.environ["PREFECT_API_URL"] = api
-    server_proc = start_server(host, port, env)
-    worker = None
     try:
-        apply_deployments(env)
-        create_automations()
-        worker = start_worker(env)
-        console.print(f"Prefect UI: [bold]{ui_url(api)}[/bold]  (worker on pool vimeflow-process; Ctrl-C stops)")
-        server_proc.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        for proc in (worker, server_proc):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
+        stopped_by = serve(host, port, on_ready=ready)
+    except ExposedServerError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    console.print(f"{stopped_by}: the Prefect server and worker are stopped")
 
 
 @app.command(name="reward-server")

@@ -3,7 +3,6 @@ on the tiny model triggered through the REST API (the uninterrupted reference fo
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ class DeployedRun:
 @pytest.fixture(scope="session")
 def deployed(prefect_api: PrefectAPI, tmp_path_factory) -> Iterator[str]:
     """Deployments + automations applied, a process worker running; yields the rl-pipeline deployment id."""
-    from flows.deploy import apply_deployments, create_automations, start_worker
+    from flows.deploy import apply_deployments, create_automations, start_worker, stop_processes
 
     apply_deployments(prefect_api.env)
     create_automations()
@@ -43,11 +42,7 @@ def deployed(prefect_api: PrefectAPI, tmp_path_factory) -> Iterator[str]:
     try:
         yield prefect_api.get("/deployments/name/rl-pipeline/rl-pipeline").json()["id"]
     finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        stop_processes([worker])  # its process group: the flow runs it started too
 
 
 @pytest.fixture(scope="session")

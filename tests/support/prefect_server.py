@@ -10,7 +10,6 @@ import os
 import shutil
 import tempfile
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,19 +38,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory) -> Iterator[PrefectAPI]:
-    from flows.deploy import start_server
+    from flows.deploy import start_server, stop_processes
 
     home = tmp_path_factory.mktemp("prefect-home")
     # Short on purpose: Ray's unix socket paths under its temp dir must stay within 107 bytes, which
@@ -73,7 +62,7 @@ def prefect_api(tmp_path_factory) -> Iterator[PrefectAPI]:
         with temporary_settings({PREFECT_API_URL: url}):  # Prefect may have read its settings already
             yield PrefectAPI(url, home, env)
     finally:
-        _stop(proc)
+        stop_processes([proc])
         shutil.rmtree(ray_tmp, ignore_errors=True)
         for k, v in saved.items():
             if v is None:

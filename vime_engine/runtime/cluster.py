@@ -1,11 +1,30 @@
-"""Connecting to Ray: a private local cluster by default, or a given address."""
+"""Connecting to Ray: a private local cluster by default, or a given address.
+
+A private local cluster listens on 127.0.0.1 only: Ray's single-node mode (its default on macOS and Windows)
+gives the node the loopback address, and every Ray server binds that address instead of all interfaces.
+Ray reads that switch once, when it is first imported, so an entry point calls `keep_local_ray_on_loopback`
+before importing anything that imports Ray.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import logging
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
+
+log = logging.getLogger(__name__)
+SINGLE_NODE_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": single-node mode on any platform
+
+
+def keep_local_ray_on_loopback(address: str | None) -> None:
+    """Before Ray is imported: a run without a cluster address gets a cluster bound to 127.0.0.1. A run that
+    joins a cluster keeps Ray's normal mode, where the other nodes reach this driver on its network address."""
+    if not address and "ray" not in sys.modules:
+        os.environ.setdefault(SINGLE_NODE_SWITCH, "0")
 
 
 @contextlib.contextmanager
@@ -28,6 +47,10 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None) -> Iter
             address="local", _temp_dir=temp_dir, include_dashboard=False, log_to_driver=True,
             num_cpus=num_cpus or max(4, os.cpu_count() or 1),
         )
+        node_ip = ray.util.get_node_ip_address()
+        if not ipaddress.ip_address(node_ip).is_loopback:
+            log.warning("the local Ray cluster listens on %s, not only on 127.0.0.1: Ray was imported before "
+                        "keep_local_ray_on_loopback(None) was called", node_ip)
     try:
         yield
     finally:
