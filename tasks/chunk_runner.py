@@ -20,18 +20,61 @@ from typing import Any
 EXIT_OK = 0
 EXIT_CODE_ERROR = 1  # a bug: fail the task at once with the traceback
 EXIT_CONFIG_ERROR = 2  # a configuration the engine refuses: fail at once with the engine's message
-EXIT_INFRASTRUCTURE = 3  # a dead Ray actor or node, lost objects: worth another attempt
+EXIT_INFRASTRUCTURE = 3  # a dead Ray actor, raylet or node, lost objects, Ray's OOM kill: worth another attempt
 # 75 (EX_TEMPFAIL) = preempted after a checkpoint: vime_engine.runtime.preemption.PREEMPTED_EXIT_CODE
 
 RESULT_FILE = "result.json"
+LOST = "lost"  # the error kind result.json holds while the job runs: still there = the process died unreported
+# Ray losing a process, node or object under the job (ray.exceptions): nothing the job's code did.
+RAY_INFRASTRUCTURE_ERRORS = (
+    "RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError", "NodeDiedError",
+    "ObjectLostError", "OwnerDiedError", "RaySystemError", "OutOfMemoryError", "LocalRayletDiedError",
+)
 
 
-def _infrastructure_errors() -> tuple[type[BaseException], ...]:
-    import ray.exceptions as rex
+def is_infrastructure_error(exc: BaseException) -> bool:
+    """Whether the failure, or an error it was raised from or while handling (a Ray task error's cause
+    included), is Ray infrastructure failing under the job. An actor whose constructor raised is not: that
+    is the constructor's code."""
+    rex = sys.modules.get("ray.exceptions")
+    if rex is None:  # Ray never imported: no Ray failure
+        return False
+    infrastructure = tuple(getattr(rex, name) for name in RAY_INFRASTRUCTURE_ERRORS if hasattr(rex, name))
+    todo, seen = [exc], set()
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, rex.RayActorError) and error.actor_init_failed:
+            continue
+        if isinstance(error, infrastructure):
+            return True
+        todo += [error.__cause__, error.__context__, getattr(error, "cause", None)]
+    return False
 
-    names = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError", "NodeDiedError",
-             "ObjectLostError", "OwnerDiedError", "RaySystemError", "OutOfMemoryError", "LocalRayletDiedError")
-    return tuple(getattr(rex, n) for n in names if hasattr(rex, n))
+
+def exit_code_for(exc: Exception) -> int:
+    """The runner's exit code for a job that raised `exc`."""
+    from vime_engine.config import ConfigError
+    from vime_engine.runtime.preemption import Preempted
+
+    if isinstance(exc, ConfigError):
+        return EXIT_CONFIG_ERROR
+    if isinstance(exc, Preempted):
+        return exc.exit_code
+    if is_infrastructure_error(exc):
+        return EXIT_INFRASTRUCTURE
+    return EXIT_CODE_ERROR
+
+
+def _error_report(code: int, exc: Exception) -> dict[str, str]:
+    if code == EXIT_CONFIG_ERROR:
+        return {"kind": "config", "message": str(exc)}
+    if code == EXIT_CODE_ERROR:  # a bug: report it whole
+        return {"kind": "code", "message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    return {"kind": "preempted" if code != EXIT_INFRASTRUCTURE else "infrastructure",
+            "message": f"{type(exc).__name__}: {exc}"}
 
 
 def _train(cfg, job: dict[str, Any]) -> dict[str, Any]:
@@ -54,31 +97,34 @@ def _evaluate(cfg, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_job(job_path: Path) -> int:
-    """Run the job; always leave result.json (value or error) and return the exit code."""
-    from vime_engine.config import ConfigError, from_flat
-    from vime_engine.runtime.preemption import Preempted
+    """Run the job; always leave result.json (value or error) and return the exit code.
 
-    job = json.loads(job_path.read_text())
+    Until the job ends, result.json says the job was lost: a process ended from below Python (Ray ends its
+    driver when the local raylet or object store dies) leaves exactly that behind.
+    """
     out = job_path.parent / RESULT_FILE
     t0 = time.perf_counter()
 
     def finish(code: int, **payload: Any) -> int:
         payload["engine_seconds"] = time.perf_counter() - t0
-        out.write_text(json.dumps(payload, default=str))
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, default=str))
+        tmp.replace(out)
         return code
 
+    finish(EXIT_INFRASTRUCTURE, error={"kind": LOST, "message": "the engine process ended without reporting"})
     try:
+        from vime_engine.runtime.cluster import keep_local_ray_on_loopback
+
+        job = json.loads(job_path.read_text())
+        keep_local_ray_on_loopback(job["flags"].get("ray-address"))  # before anything imports Ray
+        from vime_engine.config import from_flat
+
         cfg = from_flat(job["flags"])
         value = (_train if job["mode"] == "train" else _evaluate)(cfg, job)
-    except ConfigError as exc:
-        return finish(EXIT_CONFIG_ERROR, error={"kind": "config", "message": str(exc)})
-    except Preempted as exc:
-        return finish(exc.exit_code, error={"kind": "preempted", "message": str(exc)})
-    except _infrastructure_errors() as exc:
-        return finish(EXIT_INFRASTRUCTURE, error={"kind": "infrastructure", "message": f"{type(exc).__name__}: {exc}"})
-    except Exception as exc:  # noqa: BLE001  (anything else is a bug: report it whole)
-        return finish(EXIT_CODE_ERROR, error={"kind": "code", "message": f"{type(exc).__name__}: {exc}",
-                                              "traceback": traceback.format_exc()})
+    except Exception as exc:  # noqa: BLE001  (every outcome is reported; its code says what it was)
+        code = exit_code_for(exc)
+        return finish(code, error=_error_report(code, exc))
     return finish(EXIT_OK, value=value)
 
 

@@ -3,7 +3,9 @@
 Exit code → what the Prefect task does:
   0                   the job's value
   75 (preempted)      InfrastructureFailure: retried (the engine checkpointed before leaving)
-  3, or killed by a signal (OOM killer, node loss)   InfrastructureFailure: retried
+  3 (a dead Ray actor, raylet or node, lost objects, Ray's OOM kill), killed by a signal (the OOM killer, a
+  lost node: -9, or 137 through a shell), or ended without reporting (Ray ends its driver when the local
+  raylet or object store dies)                          InfrastructureFailure: retried
   2 (config)          EngineConfigFailure: fails at once with the engine's message
   1 / anything else   EngineCodeFailure: fails at once with the traceback
 
@@ -25,9 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.chunk_runner import (
-    EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, RESULT_FILE,
-)
+from tasks.chunk_runner import EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, LOST, RESULT_FILE
 from tasks.retry_policy import retry_on
 from tasks.storage_errors import TransientStorageError
 from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE
@@ -119,18 +119,31 @@ def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None
             watcher.join(timeout=5)
     wall = time.perf_counter() - t0
     result_path = job_dir / RESULT_FILE
-    result = json.loads(result_path.read_text()) if result_path.is_file() else {}
-    error = result.get("error") or {}
-    code = proc.returncode
-    if code == EXIT_OK and "value" in result:
+    result = json.loads(result_path.read_text()) if result_path.is_file() else None
+    if proc.returncode == EXIT_OK and result is not None and "value" in result:
         return EngineRun(result["value"], float(result["engine_seconds"]), wall)
-    if code == PREEMPTED_EXIT_CODE or code == EXIT_INFRASTRUCTURE:
-        raise InfrastructureFailure(f"engine exit {code}: {error.get('message', 'no message')}")
-    if code < 0:
-        raise InfrastructureFailure(f"engine killed by signal {signal.Signals(-code).name}")
+    raise failure_for_exit(proc.returncode, result)
+
+
+def failure_for_exit(code: int, result: dict[str, Any] | None) -> EngineFailure:
+    """What a job that did not deliver its value means, from its exit code and its result.json (None: the
+    runner never started, e.g. Python could not import it)."""
+    error = (result or {}).get("error") or {}
+    message = error.get("message", "no message")
+    if code in (PREEMPTED_EXIT_CODE, EXIT_INFRASTRUCTURE):
+        return InfrastructureFailure(f"engine exit {code}: {message}")
+    if code < 0 or code == 128 + signal.SIGKILL:
+        number = -code if code < 0 else code - 128
+        return InfrastructureFailure(f"engine killed by signal {signal.Signals(number).name} (exit {code}): "
+                                     "the OOM killer, a lost node or an operator")
+    if error.get("kind") == LOST:
+        return InfrastructureFailure(
+            f"engine exit {code} without reporting an outcome: the process was ended from below Python, as Ray "
+            "ends its driver when the local raylet or object store dies (see the engine log above)")
     if code == EXIT_CONFIG_ERROR:
-        raise EngineConfigFailure(error.get("message", "configuration error"))
-    raise EngineCodeFailure(error.get("traceback") or error.get("message") or f"engine exit {code} without a result")
+        return EngineConfigFailure(error.get("message", "configuration error"))
+    return EngineCodeFailure(error.get("traceback") or error.get("message")
+                             or f"engine exit {code} before the runner started (see its output above)")
 
 
 # Prefect retry condition: retry only what another attempt can fix.

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -42,8 +43,9 @@ from tasks.storage_errors import StorageError, TransientStorageError
 from vime_engine import checkpoint as ckpt
 from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE
 
-# Task 0's exit codes after which a new job from the newest committed checkpoint may succeed.
-RETRYABLE_EXIT_CODES = frozenset({PREEMPTED_EXIT_CODE, EXIT_INFRASTRUCTURE})
+# Task 0's exit codes after which a new job from the newest committed checkpoint may succeed; a container
+# whose process the OOM killer took reports 128 + SIGKILL.
+RETRYABLE_EXIT_CODES = frozenset({PREEMPTED_EXIT_CODE, EXIT_INFRASTRUCTURE, 128 + signal.SIGKILL})
 RAY_PORT = 6379
 _COMMITTED_RE = re.compile(r"(?:^|/)rollout_(\d{7})/manifest\.json$")
 _CHECKPOINT_DIR_RE = re.compile(r"rollout_(\d{7})")

@@ -1,0 +1,148 @@
+"""Infrastructure vs code failures of an engine job: what the runner's exit code says about an exception, what
+the task makes of an exit, and a real raylet killed under a tiny run, which must come back as a retryable
+InfrastructureFailure (it used to end as `EngineCodeFailure: engine exit 1 without a result`)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import ray.exceptions as rex
+
+from tasks.chunk_runner import (
+    EXIT_CODE_ERROR, EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, LOST, exit_code_for, is_infrastructure_error,
+)
+from tasks.engine_process import (
+    EngineCodeFailure, EngineConfigFailure, InfrastructureFailure, failure_for_exit, run_engine_job,
+)
+from vime_engine.config import ConfigError
+from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted
+
+REPO = Path(__file__).resolve().parents[2]
+OBJECT = "a" * 56  # an object ref's hex
+
+
+def _raised_from(cause: BaseException) -> RuntimeError:
+    try:
+        try:
+            raise cause
+        except BaseException as exc:
+            raise RuntimeError("rollout failed") from exc
+    except RuntimeError as wrapped:
+        return wrapped
+
+
+EXCEPTIONS = {
+    "actor died": (rex.ActorDiedError(), EXIT_INFRASTRUCTURE),
+    "actor error": (rex.RayActorError(), EXIT_INFRASTRUCTURE),
+    "actor unavailable": (rex.ActorUnavailableError("socket closed", None), EXIT_INFRASTRUCTURE),
+    "worker crashed": (rex.WorkerCrashedError(), EXIT_INFRASTRUCTURE),
+    "node died": (rex.NodeDiedError("node 1 marked dead"), EXIT_INFRASTRUCTURE),
+    "object lost": (rex.ObjectLostError(OBJECT, None, ""), EXIT_INFRASTRUCTURE),
+    "owner died": (rex.OwnerDiedError(OBJECT, None, ""), EXIT_INFRASTRUCTURE),
+    "ray's OOM kill": (rex.OutOfMemoryError("task killed: memory above 0.95"), EXIT_INFRASTRUCTURE),
+    "ray system error": (rex.RaySystemError("raylet connection lost"), EXIT_INFRASTRUCTURE),
+    "local raylet died": (rex.LocalRayletDiedError(), EXIT_INFRASTRUCTURE),
+    "raised from a dead actor": (_raised_from(rex.ActorDiedError()), EXIT_INFRASTRUCTURE),
+    "a task's dead actor": (rex.RayTaskError("generate", "tb", rex.ActorDiedError()).as_instanceof_cause(),
+                            EXIT_INFRASTRUCTURE),
+    "a task's own bug": (rex.RayTaskError("generate", "tb", ValueError("bad shape")).as_instanceof_cause(),
+                         EXIT_CODE_ERROR),
+    "an actor's constructor raised": (rex.RayActorError(actor_init_failed=True), EXIT_CODE_ERROR),
+    "a bug": (KeyError("rollout/raw_reward"), EXIT_CODE_ERROR),
+    "configuration": (ConfigError("--lr must be > 0"), EXIT_CONFIG_ERROR),
+    "preempted": (Preempted(3, None), PREEMPTED_EXIT_CODE),
+}
+
+
+@pytest.mark.parametrize("case", EXCEPTIONS)
+def test_the_runner_exit_code_of_each_failure(case):
+    exc, code = EXCEPTIONS[case]
+    assert exit_code_for(exc) == code
+    assert is_infrastructure_error(exc) is (code == EXIT_INFRASTRUCTURE)
+
+
+EXITS = {
+    "preempted": (PREEMPTED_EXIT_CODE, {"error": {"kind": "preempted", "message": "after rollout 3"}},
+                  InfrastructureFailure, "after rollout 3"),
+    "ray infrastructure": (EXIT_INFRASTRUCTURE, {"error": {"kind": "infrastructure", "message": "ActorDiedError"}},
+                           InfrastructureFailure, "ActorDiedError"),
+    "SIGKILL (OOM killer)": (-signal.SIGKILL, {"error": {"kind": LOST}}, InfrastructureFailure, "SIGKILL"),
+    "137 through a shell": (128 + signal.SIGKILL, None, InfrastructureFailure, "SIGKILL"),
+    "ended unreported (raylet died)": (1, {"error": {"kind": LOST}}, InfrastructureFailure, "without reporting"),
+    "configuration": (EXIT_CONFIG_ERROR, {"error": {"kind": "config", "message": "--lr must be > 0"}},
+                      EngineConfigFailure, "--lr must be > 0"),
+    "a bug": (EXIT_CODE_ERROR, {"error": {"kind": "code", "traceback": "Traceback … KeyError"}},
+              EngineCodeFailure, "KeyError"),
+    "the runner never started": (1, None, EngineCodeFailure, "before the runner started"),
+}
+
+
+@pytest.mark.parametrize("case", EXITS)
+def test_what_the_task_makes_of_each_exit(case):
+    code, result, failure, text = EXITS[case]
+    got = failure_for_exit(code, result)
+    assert type(got) is failure and text in str(got)
+
+
+def _listening_addresses(procs: list[psutil.Process]) -> set[str]:
+    found = set()
+    for proc in procs:
+        try:
+            found |= {c.laddr.ip for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:  # ended meanwhile
+            pass
+    return found
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
+def test_a_raylet_killed_under_a_run_is_a_retryable_infrastructure_failure(tmp_path, tiny_model, arithmetic_data):
+    flags = {
+        "hf-checkpoint": str(tiny_model), "prompt-data": str(arithmetic_data), "input-key": "question",
+        "label-key": "answer", "apply-chat-template": True,
+        "custom-rm-path": str(REPO / "tests/support/tiny_task.py") + ":digit_share",
+        "num-rollout": 200, "rollout-batch-size": 2, "n-samples-per-prompt": 2, "rollout-max-response-len": 8,
+        "vllm-kv-cache-gb": 0.25, "save": str(tmp_path / "ckpt"), "output-dir": str(tmp_path / "out"),
+    }
+    first_rollout = threading.Event()
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            run_engine_job({"mode": "train", "flags": flags, "start": 0, "count": 200}, tmp_path / "job",
+                           metrics_file=tmp_path / "out" / "metrics.jsonl",
+                           on_record=lambda rollout_id, record: first_rollout.set())
+        except BaseException as exc:  # noqa: BLE001  (what the task would see)
+            outcome["error"] = exc
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    try:
+        assert first_rollout.wait(timeout=300), "no rollout finished"
+        engine_tree = psutil.Process(os.getpid()).children(recursive=True)
+        listening = _listening_addresses(engine_tree)
+        assert listening and all(_is_loopback(ip) for ip in listening), f"the local cluster listens on {listening}"
+        raylet = next(p for p in engine_tree if p.name() == "raylet")
+        raylet.send_signal(signal.SIGKILL)
+        runner.join(timeout=180)
+        assert not runner.is_alive(), "the engine went on without its raylet"
+    finally:
+        if runner.is_alive():
+            for proc in psutil.Process(os.getpid()).children(recursive=True):
+                proc.kill()
+            runner.join()
+    assert isinstance(outcome.get("error"), InfrastructureFailure), repr(outcome.get("error"))
+    deadline = time.monotonic() + 30  # the rest of that cluster follows its driver
+    while (left := [p for p in engine_tree if p.is_running()]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"left running: {[p.name() for p in left]}"
