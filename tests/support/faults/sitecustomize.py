@@ -3,6 +3,10 @@
 Active only when VIMEFLOW_TEST_FAULT="module:Qualified.name:N" is set (tests put this directory on
 PYTHONPATH of a subprocess, so every process of the run — driver and Ray actors — loads it). Before dying
 the process writes VIMEFLOW_TEST_FAULT_MARKER so the test knows the kill happened and where.
+
+With VIMEFLOW_TEST_FAULT_VICTIM=raylet the process SIGKILLs the raylet among its own descendants instead
+(the local Ray cluster a driver started), waits until it is gone and then makes the call: what an OOM kill
+of the raylet looks like to the driver. A process without such a descendant is left alone.
 """
 
 import os
@@ -20,9 +24,20 @@ if _SPEC:
     _calls = {"n": 0}
 
     def _die():
+        victims = None  # this process
+        if os.environ.get("VIMEFLOW_TEST_FAULT_VICTIM") == "raylet":
+            import psutil
+
+            victims = [p for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
+            if not victims:
+                return
         with open(os.environ["VIMEFLOW_TEST_FAULT_MARKER"], "w") as f:
-            f.write(f"{_SPEC} pid={os.getpid()}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
+            f.write(f"{_SPEC} pid={' '.join(str(p.pid) for p in victims) if victims else os.getpid()}\n")
+        if victims is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        for victim in victims:
+            victim.kill()
+        psutil.wait_procs(victims, timeout=30)
 
     def _patch(module):
         owner, _, attr = _qualname.rpartition(".")
