@@ -45,15 +45,15 @@ def resume(name: str, cache: Path, spawned_at: float) -> dict[str, float]:
     marks["start"] = time.time()
     with ray_cluster(num_cpus=4):
         marks["cluster"] = time.time()
-        workers = Workers(cfg, resolve_accelerator(cfg.placement.device))
-        ray.get([actor.__ray_ready__.remote() for actor in {workers.trainer, workers.rollout}])
-        marks["workers"] = time.time()
-        ctx = RunContext.open(cfg, workers)
-        assert ctx.state.next_rollout_id == 1, "the prepared checkpoint was not found"
-        marks["load"] = time.time()
-        workers.sync_weights(ctx.state.weight_version)
-        marks["push"] = time.time()
-        ctx.close()
+        with Workers(cfg, resolve_accelerator(cfg.placement.device)) as workers:
+            ray.get([actor.__ray_ready__.remote() for actor in workers.actors()])
+            marks["workers"] = time.time()
+            ctx = RunContext.open(cfg, workers)
+            assert ctx.state.next_rollout_id == 1, "the prepared checkpoint was not found"
+            marks["load"] = time.time()
+            workers.sync_weights(ctx.state.weight_version)
+            marks["push"] = time.time()
+            ctx.close()
     order = ["spawned", *PARTS]
     return {part: marks[part] - marks[prev] for prev, part in zip(order, order[1:])}
 

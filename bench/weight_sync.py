@@ -43,8 +43,7 @@ def measure(cfg, path_name: str, repeat: int) -> float:
     from vime_engine.runtime.workers import Workers
 
     kind = "broadcast" if path_name == "broadcast" else "object_store"
-    workers = Workers(cfg.with_overrides(weight_sync=kind), CPU)
-    try:
+    with Workers(cfg.with_overrides(weight_sync=kind), CPU) as workers:
         workers.sync_weights(0)  # warm-up: forms the broadcast group, touches every page once
         best = float("inf")
         for version in range(1, repeat + 1):
@@ -52,9 +51,6 @@ def measure(cfg, path_name: str, repeat: int) -> float:
             workers.sync_weights(version)
             best = min(best, time.perf_counter() - start)
         return best
-    finally:
-        for actor in {workers.trainer, workers.rollout}:
-            ray.kill(actor)
 
 
 def main() -> None:

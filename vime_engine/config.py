@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -62,6 +62,41 @@ class RolloutConfig(_Section):
     vllm_gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     vllm_max_model_len: int | None = None
     vllm_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
+    # "auto" = the device's best (vime_engine/rollout/vllm_engine.py: device_engine_kwargs); a value given wins.
+    vllm_enforce_eager: bool | Literal["auto"] = Field(
+        "auto", description="run vLLM without CUDA / ACL graphs; auto: eager on CPU, graphs on accelerators. "
+        "true on an accelerator costs decode speed; false on CPU compiles the model first (a slow start)"
+    )
+    vllm_enable_prefix_caching: bool | Literal["auto"] = Field(
+        "auto", description="share the KV blocks of a prompt's n samples; auto: off on CPU, on on accelerators. "
+        "true on CPU gives up bit-reproducible samples (log-probs ~5e-7 apart, now and then another token); "
+        "false on an accelerator costs one prefill per sample instead of per prompt"
+    )
+    vllm_enable_chunked_prefill: bool | Literal["auto"] = Field(
+        "auto", description="split long prompts across engine steps; auto: off on CPU (whole prompts keep a "
+        "sample's draws independent of the batch; CPU cannot run it with seeded sampling), on on accelerators. "
+        "false on an accelerator costs throughput and needs --vllm-max-num-batched-tokens >= the model length"
+    )
+    vllm_max_num_batched_tokens: int | Literal["auto"] = Field(
+        "auto", description="tokens per engine step; auto: max(model length, 16384) without chunked prefill, "
+        "vLLM's own budget with it"
+    )
+
+    @field_validator("vllm_enforce_eager", "vllm_enable_prefix_caching", "vllm_enable_chunked_prefill",
+                     "vllm_max_num_batched_tokens", mode="before")
+    @classmethod
+    def _auto_or_value(cls, value: Any, info: ValidationInfo) -> Any:
+        """One clear message per flag (pydantic would report each member of the union)."""
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        if info.field_name == "vllm_max_num_batched_tokens":
+            if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
+                raise ValueError(f"--vllm-max-num-batched-tokens {value!r}: expected a positive integer or auto")
+            return int(text)
+        if isinstance(value, bool) or text in _TRUE + _FALSE:
+            return value if isinstance(value, bool) else text in _TRUE
+        raise ValueError(f"{_flag(info.field_name)} {value!r}: expected true, false or auto")
 
 
 class RewardConfig(_Section):
@@ -216,6 +251,7 @@ NON_MATH_FIELDS = {
     "eval_temperature", "eval_top_p", "eval_input_key", "eval_label_key", "eval_rm_type",
     "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "rollout_num_gpus", "rollout_num_gpus_per_engine",
     "actor_num_nodes", "actor_num_gpus_per_node", "weight_sync", "weight_sync_bucket_mb",
+    "vllm_enforce_eager", "vllm_enable_prefix_caching", "vllm_enable_chunked_prefill", "vllm_max_num_batched_tokens",
 }
 
 
@@ -253,6 +289,22 @@ class EngineConfig(BaseModel):
         if self.train.global_batch_size is not None:
             return self.train.global_batch_size
         return self.samples_per_rollout // (self.train.num_steps_per_rollout or 1)
+
+    @property
+    def trainer_world_size(self) -> int:
+        """Trainer ranks: `--actor-num-nodes × --actor-num-gpus-per-node`."""
+        return self.placement.actor_num_nodes * self.placement.actor_num_gpus_per_node
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Tensor × pipeline × context parallel size (1 for the torch backend)."""
+        m = self.megatron
+        return (m.get("tensor-model-parallel-size") or 1) * (m.get("pipeline-model-parallel-size") or 1) * (
+            m.get("context-parallel-size") or 1)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.trainer_world_size // self.model_parallel_size
 
     @property
     def eps_clip_high(self) -> float:
@@ -357,12 +409,44 @@ def _check_combinations(cfg: EngineConfig) -> None:
     _check_tracking(cfg.logging)
     if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None:
         raise ConfigError("--save-interval needs --save DIR")
+    _check_parallel_layout(cfg)
+
+
+def _check_parallel_layout(cfg: EngineConfig) -> None:
+    """The trainer ranks must split into the model-parallel layout and the data-parallel ranks into the batch."""
+    p, t = cfg.placement, cfg.train
+    world = cfg.trainer_world_size
+    ranks = f"--actor-num-nodes {p.actor_num_nodes} × --actor-num-gpus-per-node {p.actor_num_gpus_per_node} = {world}"
     if t.train_backend == "torch":
         parallel = [f"--{f} {cfg.megatron[f]}" for f in _PARALLEL_FLAGS if cfg.megatron.get(f, 1) not in (1, None)]
         if parallel:
             raise ConfigError(
-                f"{', '.join(parallel)} need --train-backend megatron (the torch backend runs one process)"
+                f"{', '.join(parallel)} need --train-backend megatron (the torch backend is data parallel only)"
             )
+    model_parallel = cfg.model_parallel_size
+    if world % model_parallel:
+        raise ConfigError(
+            f"{ranks} trainer ranks do not split into tensor × pipeline × context parallel groups of "
+            f"{model_parallel}: make the rank count a multiple of {model_parallel}"
+        )
+    dp = world // model_parallel
+    if cfg.global_batch_size % dp:
+        raise ConfigError(
+            f"--global-batch-size {cfg.global_batch_size} does not split over {dp} data-parallel ranks ({ranks} "
+            f"trainer ranks / model-parallel size {model_parallel}): use a multiple of {dp}"
+        )
+    if p.colocate and world > 1:
+        raise ConfigError(
+            f"--colocate runs one trainer rank beside the rollout engine, but {ranks}: drop --colocate to run "
+            "the trainer group and the engine on their own devices"
+        )
+    r = cfg.rollout
+    if r.rollout_num_gpus is not None and r.rollout_num_gpus != r.rollout_num_gpus_per_engine:
+        raise ConfigError(
+            f"--rollout-num-gpus {r.rollout_num_gpus} asks for {r.rollout_num_gpus / r.rollout_num_gpus_per_engine:g} "
+            f"engines of --rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine}; a run has one vLLM engine "
+            "today: set --rollout-num-gpus equal to --rollout-num-gpus-per-engine, or leave it out"
+        )
 
 
 def _check_tracking(lg: LoggingConfig) -> None:
@@ -425,11 +509,12 @@ def from_flat(values: dict[str, Any]) -> EngineConfig:
     for raw_key, value in values.items():
         key = raw_key.replace("-", "_")
         if key.startswith("megatron."):
-            megatron[key.removeprefix("megatron.").replace("_", "-")] = value
+            name = key.removeprefix("megatron.").replace("_", "-")
+            megatron[name] = _typed_megatron_value(name, value)
         elif key in _FIELD_SECTION:
             nested[_FIELD_SECTION[key]][key] = value
         elif key.replace("_", "-") in MEGATRON_FLAGS:
-            megatron[key.replace("_", "-")] = value
+            megatron[key.replace("_", "-")] = _typed_megatron_value(key.replace("_", "-"), value)
         else:
             unknown.append(raw_key)
     if unknown:
@@ -438,6 +523,30 @@ def from_flat(values: dict[str, Any]) -> EngineConfig:
         return EngineConfig(**{s: v for s, v in nested.items() if v or s in ("model", "data")}, megatron=megatron)
     except ValidationError as exc:
         raise ConfigError(_validation_message(exc)) from None
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _typed_megatron_value(name: str, value: Any) -> Any:
+    """A Megatron pass-through flag's value as its declared type (flags arrive as text: `--sequence-parallel=false`
+    must be False, `--recompute-num-layers 4` the int 4)."""
+    kind = MEGATRON_FLAGS.get(name)
+    if kind is None or value is None:
+        return value
+    if kind is bool:
+        text = str(value).strip().lower()
+        if isinstance(value, bool) or text in _TRUE + _FALSE:
+            return value if isinstance(value, bool) else text in _TRUE
+        raise ConfigError(f"--{name} {value!r}: expected true or false")
+    if kind is str:
+        return str(value)
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value) if kind is float else int(str(value))
+    except ValueError:
+        raise ConfigError(f"--{name} {value!r}: expected {'an integer' if kind is int else 'a number'}") from None
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -540,7 +649,10 @@ def parse_flags(argv: list[str]) -> dict[str, Any]:
             raise ConfigError(_unknown_message([token.split("=")[0]]))
         i += 1
         if kind is bool and not inline:
-            values[name] = True
+            # A bare switch is true; a switch that also takes auto reads a following word (`--x false`).
+            takes_word = _takes_auto(name) and i < len(argv) and argv[i].lower() in _TRUE + _FALSE + ("auto",)
+            values[name] = argv[i] if takes_word else True
+            i += int(takes_word)
             continue
         args = [inline] if inline else []
         while not args or (kind is list and i < len(argv) and not argv[i].startswith("--")):
@@ -562,11 +674,18 @@ def _flag_kind(name: str) -> type | None:
     if section is None:
         return None
     annotation = SECTIONS[section].model_fields[key].annotation
-    if annotation is bool:
+    if annotation is bool or _takes_auto(name):
         return bool
     if "list[" in str(annotation):  # list[str] | None
         return list
     return str
+
+
+def _takes_auto(name: str) -> bool:
+    """A switch that may also be "auto" (the device decides), e.g. --vllm-enforce-eager."""
+    key = name.replace("-", "_")
+    section = _FIELD_SECTION.get(key)
+    return section is not None and SECTIONS[section].model_fields[key].annotation == bool | Literal["auto"]
 
 
 def _coerce_scalar(text: str) -> Any:

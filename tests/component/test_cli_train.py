@@ -1,4 +1,5 @@
-"""`vimeflow train` end to end on the tiny model: vime's Qwen3-4B flag list, eval-only runs, HF export."""
+"""`vimeflow train` end to end on the tiny model: vime's Qwen3-4B flag list (disaggregated, two trainer ranks),
+eval-only runs, HF export."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.unit.test_config import QWEN3_4B_SCRIPT
+from tests.unit.test_config import QWEN3_DISAGGREGATED
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,7 @@ def _swap_paths(flags: list[str], mapping: dict[str, str]) -> list[str]:
 
 def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path, tiny_model, arithmetic_data, aime_data):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    flags = _swap_paths(QWEN3_4B_SCRIPT, {
+    flags = _swap_paths(QWEN3_DISAGGREGATED, {
         "/models/m": str(tiny_model), "/data/p.jsonl": str(arithmetic_data), "/data/aime.jsonl": str(aime_data),
         "/ckpt": str(ckpt),
     })
@@ -36,6 +37,7 @@ def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path,
         "--eval-input-key", "prompt", "--eval-label-key", "label", "--eval-rm-type", "math",
         "--max-tokens-per-gpu", "512", "--vllm-kv-cache-gb", "0.25", "--output-dir", str(out),
         "--rollout-num-gpus-per-engine", "1",  # vLLM-CPU tensor parallelism needs one NUMA node per rank
+        "--actor-num-gpus-per-node", "2",  # a trainer group of two data-parallel ranks (one Ray CPU each)
     ]
     run = _vimeflow(*flags, *scaled_down)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -91,7 +91,7 @@ def test_partial_rollout_finishes_cut_off_groups_in_the_next_rollout_under_new_w
     original_train = Workers.train
 
     def recording_train(self, samples):
-        trained.append((samples, ray.get(self.trainer.weights.remote())))
+        trained.append((samples, self.trainer.weights()))
         return original_train(self, samples)
 
     monkeypatch.setattr(Workers, "train", recording_train)

@@ -45,15 +45,14 @@ def cluster():
 
 
 def _max_gap(workers: Workers, samples) -> float:
-    trainer_lp = workers.trainer_call("log_probs", samples)
+    trainer_lp = workers.trainer.log_probs(samples)
     rollout_lp = torch.tensor([x for s in samples for x in s.rollout_log_probs])
     return (trainer_lp - rollout_lp).abs().max().item()
 
 
 @pytest.mark.parametrize("kind", ["object_store", "broadcast"])
 def test_sync_makes_rollout_log_probs_match_trainer(cfg, cluster, kind):
-    workers = Workers(cfg.with_overrides(weight_sync=kind), CPU)
-    try:
+    with Workers(cfg.with_overrides(weight_sync=kind), CPU) as workers:
         assert workers.weight_sync.kind == kind
         plan = train_plan(cfg)
         workers.sync_weights(0)
@@ -72,9 +71,6 @@ def test_sync_makes_rollout_log_probs_match_trainer(cfg, cluster, kind):
             assert _max_gap(workers, fresh) <= 1e-5
             if version == 1:
                 workers.train(fresh)
-    finally:
-        for actor in {workers.trainer, workers.rollout}:
-            ray.kill(actor)
 
 
 def test_bucket_plan_respects_size_and_dtype_and_round_trips():

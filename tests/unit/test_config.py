@@ -23,28 +23,47 @@ QWEN3_4B_SCRIPT = """
 --rollout-num-gpus-per-engine 2 --vllm-gpu-memory-utilization 0.7
 --actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate
 """.split()
+QWEN3_DISAGGREGATED = [flag for flag in QWEN3_4B_SCRIPT if flag != "--colocate"]
 
 
 def test_vime_qwen3_4b_script_parses_with_vime_meanings():
-    cfg = build_config(QWEN3_4B_SCRIPT)
+    # Colocating a trainer group of more than one rank with the engine is not built yet: refused, not ignored.
+    with pytest.raises(ConfigError, match="--colocate runs one trainer rank .* = 8: drop --colocate"):
+        build_config(QWEN3_4B_SCRIPT)
+    cfg = build_config(QWEN3_DISAGGREGATED)
     assert cfg.rollout.rollout_batch_size == 32 and cfg.rollout.n_samples_per_prompt == 8
     assert cfg.global_batch_size == 256 and cfg.samples_per_rollout // cfg.global_batch_size == 1
     assert cfg.algorithm.kl_loss_type == "low_var_kl" and cfg.algorithm.use_kl_loss
     assert cfg.eps_clip_high == 0.28
     assert cfg.eval_datasets == [("aime", "/data/aime.jsonl")]
-    assert cfg.placement.colocate and cfg.train.use_dynamic_batch_size
+    assert cfg.train.use_dynamic_batch_size and cfg.trainer_world_size == cfg.data_parallel_size == 8
 
 
-def test_megatron_flags_pass_through_to_the_megatron_section():
-    cfg = build_config([*QWEN3_4B_SCRIPT, "--train-backend", "megatron", "--tensor-model-parallel-size", "2",
-                        "--sequence-parallel", "--recompute-granularity", "full"])
-    assert cfg.megatron == {"tensor-model-parallel-size": "2", "sequence-parallel": True,
-                            "recompute-granularity": "full"}
+def test_megatron_flags_pass_through_to_the_megatron_section_with_their_types():
+    cfg = build_config([*QWEN3_DISAGGREGATED, "--train-backend", "megatron", "--tensor-model-parallel-size", "2",
+                        "--sequence-parallel", "--recompute-granularity", "full", "--recompute-num-layers", "4",
+                        "--accumulate-allreduce-grads-in-fp32=false"])
+    assert cfg.megatron == {"tensor-model-parallel-size": 2, "sequence-parallel": True,
+                            "recompute-granularity": "full", "recompute-num-layers": 4,
+                            "accumulate-allreduce-grads-in-fp32": False}
+    assert cfg.data_parallel_size == 4
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tensor-model-parallel-size", "3"], "8 trainer ranks do not split into .* groups of 3"),
+    (["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--n-samples-per-prompt", "8"],
+     "--global-batch-size 2 does not split over 4 data-parallel ranks"),
+    (["--recompute-num-layers", "four"], "--recompute-num-layers 'four': expected an integer"),
+    (["--sequence-parallel=maybe"], "--sequence-parallel 'maybe': expected true or false"),
+])
+def test_impossible_parallel_layouts_fail_naming_the_flags(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config([*QWEN3_DISAGGREGATED, "--train-backend", "megatron", *flags])
 
 
 def test_parallel_sizes_need_the_megatron_backend():
     with pytest.raises(ConfigError, match="--tensor-model-parallel-size 2 need --train-backend megatron"):
-        build_config([*QWEN3_4B_SCRIPT, "--tensor-model-parallel-size", "2"])
+        build_config([*QWEN3_DISAGGREGATED, "--tensor-model-parallel-size", "2"])
 
 
 def test_unknown_flag_names_a_close_match():

@@ -6,6 +6,7 @@ The loop owns no math; it sequences the workers and keeps the state that a check
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,13 +33,19 @@ class RunResult:
     eval_metrics: dict[str, float] = field(default_factory=dict)
 
 
+def local_cluster_cpus(cfg: EngineConfig) -> int:
+    """Ray CPUs of a private local cluster: one per trainer rank and one for the engine, at least the machine's."""
+    return max(4, os.cpu_count() or 1, cfg.trainer_world_size + 1)
+
+
 def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: RolloutCallback | None = None) -> RunResult:
     """Run rollouts from the resume point (or 0) up to `end_rollout_id` (default `--num-rollout`)."""
     end = cfg.rollout.num_rollout if end_rollout_id is None else end_rollout_id
     preflight(cfg)  # model, checkpoints and every data row, before Ray or any worker starts
-    with ray_cluster(cfg.placement.ray_address), PreemptionGuard() as preemption:
-        ctx = RunContext.open(cfg, Workers(cfg, resolve_accelerator(cfg.placement.device)))
-        state, workers, result = ctx.state, ctx.workers, RunResult()
+    with (ray_cluster(cfg.placement.ray_address, num_cpus=local_cluster_cpus(cfg)), PreemptionGuard() as preemption,
+          Workers(cfg, resolve_accelerator(cfg.placement.device)) as workers):
+        ctx = RunContext.open(cfg, workers)
+        state, result = ctx.state, RunResult()
         workers.sync_weights(state.weight_version)  # the engine serves the trainer's (possibly resumed) weights
         if state.next_rollout_id == 0 and cfg.eval_datasets:
             ctx.log_eval(-1, run_evaluations(cfg, workers, rollout_id=-1))  # the baseline before training
@@ -85,7 +92,7 @@ def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: Roll
             result.eval_metrics = run_evaluations(cfg, workers, rollout_id=state.next_rollout_id - 1)
             ctx.log_eval(state.next_rollout_id - 1, result.eval_metrics)
         if cfg.checkpoint.save_hf:
-            workers.trainer_call("save_hf", cfg.checkpoint.save_hf)
+            workers.trainer.save_hf(cfg.checkpoint.save_hf)
         result.history = list(state.history)
         ctx.close()
     return result

@@ -123,7 +123,7 @@ class RunContext:
     def save(self, rollout_id: int) -> ckpt.CheckpointRef:
         root = Path(self.cfg.checkpoint.save)
         staged = ckpt.staging_dir(root, rollout_id)
-        written = self.workers.trainer_call("save_state", str(staged))
+        written = self.workers.trainer.save_state(str(staged))
         with open(staged / BUFFER_FILE, "wb") as f:
             pickle.dump(self.state.carry, f)
         cursor, groups_drawn = self._cursor_before_prefetch or (self.data.state_dict(), self.state.groups_drawn)
@@ -156,7 +156,7 @@ def _restore(cfg: EngineConfig, found: ckpt.CheckpointRef, workers: Workers, dat
         )
     carry = pickle.loads(found.read_verified(BUFFER_FILE))
     try:
-        workers.trainer_call("load_state", str(found.path), found.manifest.files)
+        workers.trainer.load_state(str(found.path), found.manifest.files)
     except ChecksumMismatch as exc:  # raised in the trainer's process, checked while loading
         raise ckpt.CheckpointError(str(exc)) from None
     data.load_state_dict(saved["data_cursor"])

@@ -1,7 +1,8 @@
-"""Placing the trainer and the rollout engine on Ray, colocated or disaggregated, behind one facade.
+"""Placing the trainer group and the rollout engine on Ray, colocated or disaggregated, behind one facade.
 
-Colocated: one actor holds both; weights move in process memory. Disaggregated: a trainer actor and a rollout
-actor; weights move through Ray's object store or a bucketed collective broadcast (`--weight-sync`, see
+Colocated: one actor holds a trainer of one rank and the engine; weights move in process memory.
+Disaggregated: the trainer group (vime_engine.runtime.trainer_group) and a rollout actor; weights move from the
+group's rank 0 through Ray's object store or a bucketed collective broadcast (`--weight-sync`, see
 vime_engine.weight_sync.strategies).
 Both return Ray futures for generation so the driver can overlap generation with training (async mode), and
 both stream a round group by group for partial rollout (`Workers.stream`).
@@ -9,59 +10,20 @@ both stream a round group by group for partial rollout (`Workers.stream`).
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
 
 import ray
-import torch
 
 from vime_engine.config import EngineConfig
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
 from vime_engine.runtime.devices import Accelerator
+from vime_engine.runtime.trainer_group import RankAddress, TrainerGroup, TrainerRank
 from vime_engine.sample import Sample
-from vime_engine.train.torch_backend import TorchTrainBackend
-from vime_engine.weight_sync.buckets import TensorSpec, specs_of
-from vime_engine.weight_sync.endpoints import BroadcastReceiver, BroadcastSender, load_into_engine
+from vime_engine.weight_sync.buckets import TensorSpec
+from vime_engine.weight_sync.endpoints import BroadcastReceiver, load_into_engine
 from vime_engine.weight_sync.group import GroupAddress
 from vime_engine.weight_sync.strategies import make_weight_sync
-
-
-def build_trainer(cfg: EngineConfig, device: str):
-    """The `--train-backend`: both implement the same contract (see train/torch_backend.py)."""
-    if cfg.train.train_backend == "megatron":
-        # Imported here: megatron-core is only installed where it runs (the CUDA / NPU images, the 3.12 lane).
-        from vime_engine.train.megatron_backend import MegatronTrainBackend
-
-        return MegatronTrainBackend(cfg, device)
-    return TorchTrainBackend(cfg, device)
-
-
-class TrainerActor:
-    """The training backend inside an actor; weights leave it as a plain dict (one object-store put)."""
-
-    def __init__(self, cfg: EngineConfig, device: str):
-        self.backend = build_trainer(cfg, device)
-        self.device = device
-        self.sender: BroadcastSender | None = None
-
-    def train(self, samples: list[Sample]) -> dict[str, float]:
-        return self.backend.train_rollout(samples)
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return dict(self.backend.named_weights())
-
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.backend, method)(*args)
-
-    def weight_specs(self) -> list[TensorSpec]:
-        return specs_of(self.backend.named_weights())
-
-    def open_weight_sender(self, dist_backend: str, bucket_bytes: int) -> GroupAddress:
-        self.sender = BroadcastSender(dist_backend, self.device, bucket_bytes)
-        return self.sender.address
-
-    def send_weights(self, version: int) -> int:
-        return self.sender.send(self.backend.named_weights(), version)
 
 
 class RolloutActor(RolloutWorker):
@@ -76,11 +38,12 @@ class RolloutActor(RolloutWorker):
         return load_into_engine(self.engine, self.receiver.stream(version), version)
 
 
-class ColocatedActor(TrainerActor):
-    """Trainer and rollout engine in one process: the weight sync is a walk over the trainer's tensors."""
+class ColocatedActor(TrainerRank):
+    """A trainer rank (of a group of one) and the rollout engine in one process: the weight sync is a walk over
+    the trainer's tensors."""
 
-    def __init__(self, cfg: EngineConfig, device: str, kv_cache_bytes: int | None):
-        super().__init__(cfg, device)
+    def __init__(self, cfg: EngineConfig, accel: Accelerator, address: RankAddress, kv_cache_bytes: int | None):
+        super().__init__(cfg, accel, address)
         self.rollout = RolloutWorker(cfg, kv_cache_bytes)
 
     def generate(self, records, rollout_id, first_group, plan) -> list[Sample]:
@@ -113,26 +76,40 @@ class EngineRound:
 
 
 class Workers:
-    """The driver's view of the actors, identical for both placements."""
+    """The driver's view of the trainer group and the rollout engine, identical for both placements."""
 
     def __init__(self, cfg: EngineConfig, accel: Accelerator):
-        env = {"runtime_env": {"env_vars": dict(accel.actor_env)}}
         kv_cache_bytes = int(cfg.rollout.vllm_kv_cache_gb * 2**30) if accel.kind == "cpu" else None
-        resources = {"num_gpus": 1} if accel.ray_resource == "GPU" else (
-            {"resources": {accel.ray_resource: 1}} if accel.ray_resource else {"num_cpus": 1}
-        )
         self.colocated = cfg.placement.colocate
         if self.colocated:
-            actor = ray.remote(ColocatedActor).options(**env, **resources).remote(
-                cfg, accel.torch_device, kv_cache_bytes)
-            self.trainer = self.rollout = actor
+            self.trainer = TrainerGroup(cfg, accel, ColocatedActor, kv_cache_bytes)
+            self.rollout = self.trainer.leader
         else:
-            self.trainer = ray.remote(TrainerActor).options(**env, **resources).remote(cfg, accel.torch_device)
-            self.rollout = ray.remote(RolloutActor).options(**env, **resources).remote(cfg, kv_cache_bytes)
+            self.trainer = TrainerGroup(cfg, accel)
+            resources = {"num_gpus": 1} if accel.ray_resource == "GPU" else (
+                {"resources": {accel.ray_resource: 1}} if accel.ray_resource else {"num_cpus": 1}
+            )
+            self.rollout = ray.remote(RolloutActor).options(
+                runtime_env={"env_vars": dict(accel.actor_env)}, **resources).remote(cfg, kv_cache_bytes)
         self.weight_sync = make_weight_sync(
             cfg.placement.weight_sync, self.trainer, self.rollout, self.colocated, accel.dist_backend,
             accel.torch_device, cfg.placement.weight_sync_bucket_mb,
         )
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """End the actors and free the trainer group's devices (placement groups outlive their actors)."""
+        # After a lost node or raylet the cleanup itself can fail; the error that ended the run is the one to see.
+        with contextlib.suppress(Exception):
+            self.trainer.shutdown()
+            if not self.colocated:
+                ray.kill(self.rollout)
+
+    def actors(self) -> list:
+        """Every actor of the run (trainer ranks and the engine), e.g. to wait until all have started."""
+        return list(dict.fromkeys([*self.trainer.actors(), self.rollout]))
 
     def generate(self, records: list[PromptRecord], rollout_id: int, first_group: int, plan: GenerationPlan):
         """A future of the rewarded samples."""
@@ -147,11 +124,8 @@ class Workers:
         return EngineRound(self.rollout)
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
-        return ray.get(self.trainer.train.remote(samples))
+        return self.trainer.train(samples)
 
     def sync_weights(self, version: int) -> float:
         """Push the trainer's weights to the rollout engine; seconds spent inside the engine's reload."""
         return self.weight_sync.sync(version)
-
-    def trainer_call(self, method: str, *args: Any) -> Any:
-        return ray.get(self.trainer.call.remote(method, *args))

@@ -1,13 +1,16 @@
-"""Training backend `torch`: an HF transformers causal LM with a torch AdamW optimizer.
+"""Training backend `torch`: an HF transformers causal LM with a torch AdamW optimizer (vime_engine.train.backend).
 
-Contract shared with the Megatron backend: build from an HF directory, per-token log-probs of responses,
-`train_rollout(samples)` (advantages → optimizer steps over global batches → metrics), the weights as a
-named-tensor stream in HF names for the rollout engine, the resumable state (`save_state` returns the digests of
-the files it hashed while writing, `load_state` checks its files against the manifest's entries), and `save_hf`.
+Data parallel over the trainer group's ranks with torch's DistributedDataParallel (gloo on CPU, nccl on CUDA,
+hccl on Ascend): every rank holds the whole model and optimizer state and trains its round-robin share of each
+optimizer step (vime_engine.train.data_parallel). The loss keeps the step's global denominators and is scaled by
+the world size (DDP averages gradients), so the summed gradient, and the update, do not depend on the number of
+ranks. The per-token log-probs before training are computed on each rank's share and gathered. Every rank's
+state is the same, so rank 0 alone writes checkpoints and any number of ranks can load them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 from collections.abc import Iterator, Mapping
@@ -21,6 +24,7 @@ from vime_engine.config import EngineConfig
 from vime_engine.manifest import FileEntry, read_verified
 from vime_engine.sample import Sample
 from vime_engine.tensor_files import join_tensors, read_tensors, split_tensors, write_tensors
+from vime_engine.train.data_parallel import DataParallel
 from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference, response_log_probs
 from vime_engine.train.rollout_batch import RolloutBatch, build_rollout_batch, global_batches
 
@@ -68,6 +72,10 @@ class TorchTrainBackend:
             self.critic = ValueHead(cfg.model.hf_checkpoint, dtype).to(self.device)
             params += list(self.critic.parameters())
         t = cfg.train
+        self.dp = DataParallel.from_default_group(str(self.device))
+        # The modules the training forward runs through: DDP wrappers over the same parameters when data parallel.
+        self.train_model = _data_parallel(self.model, self.dp)
+        self.train_critic = _data_parallel(self.critic, self.dp) if self.critic is not None else None
         self.optimizer = torch.optim.AdamW(
             params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
         )
@@ -92,9 +100,9 @@ class TorchTrainBackend:
         log_probs = response_log_probs(response_logits, tokens, temperature)
         return log_probs, (response_logits.float() / temperature if with_logits else None)
 
-    def _values(self, samples: list[Sample]) -> Tensor:
+    def _values(self, samples: list[Sample], critic: nn.Module | None = None) -> Tensor:
         input_ids, attention_mask = _pad([s.prompt_tokens + s.response_tokens for s in samples], self.device)
-        values = self.critic(input_ids, attention_mask)
+        values = (critic or self.critic)(input_ids, attention_mask)
         positions = _response_positions(samples, self.device)
         rows = torch.repeat_interleave(
             torch.arange(len(samples), device=self.device),
@@ -104,7 +112,14 @@ class TorchTrainBackend:
 
     @torch.no_grad()
     def _batched(self, fn, samples: list[Sample]) -> Tensor:
-        return torch.cat([fn([samples[i] for i in mb]) for mb in self._micro_batches(samples)])
+        """`fn` over micro-batches of this rank's share of `samples`, gathered into all samples' flat values."""
+        mine = [samples[i] for i in self.dp.share(list(range(len(samples))))]
+        pieces: dict[int, Tensor] = {}
+        for mb in self._micro_batches(mine):  # packed micro-batches are not in sample order: put each piece back
+            flat = fn([mine[i] for i in mb])
+            pieces.update(zip(mb, torch.split(flat, [mine[i].response_length for i in mb])))
+        local = torch.cat([pieces[i] for i in range(len(mine))])
+        return self.dp.gather_per_sample(local, [s.response_length for s in samples])
 
     def log_probs(self, samples: list[Sample]) -> Tensor:
         """Current policy's flat response log-probs (no gradient)."""
@@ -134,27 +149,40 @@ class TorchTrainBackend:
         return totals
 
     def _optimizer_step(self, samples: list[Sample], step: list[int], rollout: RolloutBatch) -> dict[str, float]:
-        step_samples = [samples[i] for i in step]
+        local = self.dp.share(step)
+        local_samples = [samples[i] for i in local]
         global_tokens, global_samples = max(rollout.num_tokens(step), 1), len(step)
         metrics: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        for mb in self._micro_batches(step_samples):
-            mb_samples = [step_samples[i] for i in mb]
-            log_probs, logits = self._forward(self.model, mb_samples, with_logits=True)
-            values = self._values(mb_samples) if self.critic is not None else None
-            loss, mb_metrics = micro_batch_loss(
-                self.cfg, MicroBatchOutputs(log_probs, logits, values), rollout.targets([step[i] for i in mb]),
-                global_tokens, global_samples,
-            )
-            loss.backward()
+        micro_batches = self._micro_batches(local_samples)
+        for n, mb in enumerate(micro_batches):
+            mb_samples = [local_samples[i] for i in mb]
+            # Gradients are all-reduced once, in the step's last backward; earlier ones only accumulate.
+            with self._no_grad_sync(last=n == len(micro_batches) - 1):
+                log_probs, logits = self._forward(self.train_model, mb_samples, with_logits=True)
+                values = self._values(mb_samples, self.train_critic) if self.critic is not None else None
+                loss, mb_metrics = micro_batch_loss(
+                    self.cfg, MicroBatchOutputs(log_probs, logits, values), rollout.targets([local[i] for i in mb]),
+                    global_tokens, global_samples,
+                )
+                (loss * self.dp.size).backward()  # DDP averages over ranks; the global denominators already did
             for key, value in mb_metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + value
+        metrics = self.dp.sum_metrics(metrics)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         max_norm = self.cfg.train.clip_grad if self.cfg.train.clip_grad > 0 else math.inf
         metrics["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
         self.optimizer.step()
         self.scheduler.step()
         return metrics
+
+    def _no_grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        if not last:
+            for module in (self.train_model, self.train_critic):
+                if isinstance(module, nn.parallel.DistributedDataParallel):
+                    stack.enter_context(module.no_sync())
+        return stack
 
     # -- weights out --------------------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
@@ -169,6 +197,8 @@ class TorchTrainBackend:
         from transformers import AutoTokenizer
 
         directory = Path(directory)
+        if self.dp.rank != 0:  # every rank holds the same weights
+            return directory
         self.model.save_pretrained(directory, safe_serialization=True)
         AutoTokenizer.from_pretrained(tokenizer_from or self.cfg.model.hf_checkpoint).save_pretrained(directory)
         return directory
@@ -178,6 +208,8 @@ class TorchTrainBackend:
         """Weights and the optimizer/critic tensors as safetensors, the small rest (param groups, scheduler, RNG)
         pickled beside them; returns the digests computed while writing, so the manifest needs no re-read."""
         directory = Path(directory)
+        if self.dp.rank != 0:  # every rank holds the same state
+            return {}
         skeleton, tensors = split_tensors({
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -209,6 +241,12 @@ class TorchTrainBackend:
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
         restore_rng_state(rest["rng"])
+
+
+def _data_parallel(module: nn.Module, dp: DataParallel) -> nn.Module:
+    if dp.size == 1:
+        return module
+    return nn.parallel.DistributedDataParallel(module)
 
 
 def _aliases(state: dict[str, Tensor]) -> list[str]:
