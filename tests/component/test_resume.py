@@ -223,3 +223,33 @@ def test_partial_rollout_buffer_is_checkpointed_and_a_kill_resumes_bit_identical
     weights, history = _final(run_dir)
     assert weights == ref_weights
     assert history == ref_history
+
+
+def test_two_data_parallel_ranks_resume_bit_identical_and_their_checkpoint_loads_on_one(tmp_path_factory, base_config):
+    dp2 = {"actor-num-gpus-per-node": 2}
+    reference_dir = tmp_path_factory.mktemp("dp2-reference")
+    assert _run(_write_config(reference_dir, base_config, **dp2)) == 0
+    ref_weights, ref_history = _final(reference_dir)
+
+    run_dir = tmp_path_factory.mktemp("dp2-killed")
+    config = _write_config(run_dir, base_config, **dp2)
+    # A rank killed in its 3rd optimizer step: rollout 1's first (two steps a rollout); the other rank waits in
+    # the gradient all-reduce until the whole run is taken down.
+    _run(config, fault="torch.optim.adamw:AdamW.step:3")
+    assert find_latest(run_dir / "ckpt").rollout_id == 0
+    assert _run(config) == 0
+    assert _final(run_dir) == (ref_weights, ref_history)
+
+    # The two ranks' checkpoint of rollout 2, resumed by a trainer of one rank for the last rollout.
+    one_dir = tmp_path_factory.mktemp("dp2-to-dp1")
+    shutil.copytree(reference_dir / "ckpt", one_dir / "ckpt", ignore=shutil.ignore_patterns("rollout_0000003"))
+    (one_dir / "ckpt" / "LATEST").write_text("rollout_0000002")
+    assert _run(_write_config(one_dir, base_config)) == 0
+    from safetensors.torch import load_file
+
+    ours = load_file(find_latest(one_dir / "ckpt").path / "model.safetensors")
+    theirs = load_file(find_latest(reference_dir / "ckpt").path / "model.safetensors")
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in theirs) <= 1e-5
+    last = json.loads((one_dir / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["rollout_id"] == NUM_ROLLOUT - 1
+    assert last["train/pg_loss"] == pytest.approx(ref_history[-1]["train/pg_loss"], rel=1e-4, abs=1e-7)
