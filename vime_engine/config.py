@@ -136,7 +136,7 @@ class TrainConfig(_Section):
     use_dynamic_batch_size: bool = False
     max_tokens_per_gpu: int | None = Field(None, ge=1)
     micro_batch_size: int = Field(1, ge=1)
-    balance_data: bool = Field(False, description="accepted for vime compatibility; one data-parallel rank here")
+    balance_data: bool = Field(False, description="even out tokens across data-parallel ranks in each optimizer step")
     optimizer: Literal["adam"] = "adam"
     lr: float = Field(1e-6, gt=0)
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"

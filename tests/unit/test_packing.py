@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
+from vime_engine.algorithms.packing import balanced_shares, fixed_size_micro_batches, pack_by_token_budget
 
 
 def test_first_fit_decreasing_by_hand() -> None:
@@ -70,3 +70,24 @@ def test_fixed_size_micro_batches() -> None:
     assert fixed_size_micro_batches(0, 3) == []
     with pytest.raises(ValueError, match="--micro-batch-size must be >= 1"):
         fixed_size_micro_batches(4, 0)
+
+
+def test_balanced_shares_hand_worked():
+    # Longest first, each to the lighter share: 9 → 0, 7 → 1, 5 → 1 (7 < 9), 4 → 0 (9 < 12).
+    shares = balanced_shares([9, 7, 5, 4], 2)
+    assert shares == [[0, 3], [1, 2]]  # 13 and 12 tokens; round-robin would give 14 and 11
+    assert balanced_shares([1, 1, 1, 1, 1], 2) == [[0, 2, 4], [1, 3]]
+
+
+def test_balanced_shares_invariants():
+    import random
+
+    rng = random.Random(3)
+    for _ in range(200):
+        n, k = rng.randrange(0, 40), rng.randrange(1, 6)
+        lengths = [rng.randrange(1, 100) for _ in range(n)]
+        shares = balanced_shares(lengths, k)
+        assert sorted(i for share in shares for i in share) == list(range(n))
+        sizes = [len(share) for share in shares]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+        assert all(share == sorted(share) for share in shares)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["fixed_size_micro_batches", "pack_by_token_budget"]
+__all__ = ["balanced_shares", "fixed_size_micro_batches", "pack_by_token_budget"]
 
 
 def pack_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -56,3 +56,27 @@ def fixed_size_micro_batches(num_samples: int, micro_batch_size: int) -> list[li
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
     return [list(range(start, min(start + micro_batch_size, num_samples)))
             for start in range(0, num_samples, micro_batch_size)]
+
+
+def balanced_shares(lengths: Sequence[int], num_shares: int) -> list[list[int]]:
+    """Split sample indices into `num_shares` shares of equal count with totals of tokens as even as the counts
+    allow (`--balance-data`: each data-parallel rank's share of an optimizer step).
+
+    Algorithm: samples longest first (ties by lower index) go to the share with the fewest tokens so far among
+    those not yet full (ties by lower share index); the first n % num_shares shares hold one sample more than the
+    others when num_shares does not divide n. Deterministic: depends only on the inputs.
+
+    Invariants: every index appears in exactly one share; share sizes differ by at most one (shares with lower
+    index are not smaller); indices within a share are ascending.
+    """
+    if num_shares < 1:
+        raise ValueError(f"num_shares must be >= 1, got {num_shares}")
+    n = len(lengths)
+    capacity = [n // num_shares + (1 if r < n % num_shares else 0) for r in range(num_shares)]
+    shares: list[list[int]] = [[] for _ in range(num_shares)]
+    tokens = [0] * num_shares
+    for index in sorted(range(n), key=lambda i: (-lengths[i], i)):
+        target = min((r for r in range(num_shares) if len(shares[r]) < capacity[r]), key=lambda r: (tokens[r], r))
+        shares[target].append(index)
+        tokens[target] += lengths[index]
+    return [sorted(share) for share in shares]

@@ -1,7 +1,8 @@
 """Data parallelism of the torch backend: which samples a rank trains on, and putting the ranks' pieces together.
 
 Samples are dealt round-robin: rank r of N takes indices r, r+N, r+2N, … of any list it is given (a rollout or
-one optimizer step). Every rank holds the whole rollout, so each rank knows every other rank's share and the
+one optimizer step), or, with `--balance-data`, an optimizer step's samples are split into equal counts with even
+token totals (vime_engine.algorithms.packing.balanced_shares). Every rank holds the whole rollout, so each rank knows every other rank's share and the
 length of each piece without asking; gathers only move the tensors.
 
 Invariant: `gather_per_sample(x_r)` on every rank returns what a single rank computing all samples would have
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from vime_engine.algorithms.packing import balanced_shares
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,14 @@ class DataParallel:
         return cls(device=device)
 
     def share(self, indices: list[int]) -> list[int]:
-        """This rank's share of `indices`."""
+        """This rank's round-robin share of `indices`."""
         return indices[self.rank::self.size]
+
+    def balanced_share(self, indices: list[int], lengths: list[int]) -> list[int]:
+        """This rank's share of `indices` (sample i has `lengths[i]` tokens) with token totals evened out over the
+        ranks (`--balance-data`)."""
+        shares = balanced_shares([lengths[i] for i in indices], self.size)
+        return [indices[j] for j in shares[self.rank]]
 
     def gather_per_sample(self, local: Tensor, lengths: list[int]) -> Tensor:
         """Flat per-token values of all samples, from each rank's flat values of its share of `range(len(lengths))`.

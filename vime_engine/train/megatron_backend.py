@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from vime_engine.algorithms.lr_schedule import LRSchedule
 from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
 from vime_engine.config import EngineConfig
 from vime_engine.manifest import ChecksumMismatch, FileEntry, verify_local_tree
@@ -63,7 +64,8 @@ class MegatronTrainBackend:
         self.dtype = getattr(torch, cfg.model.dtype)
         self.bridge = mm.hf_bridge(cfg.model.hf_checkpoint, self.dtype)
         self.vocab_size = self.bridge.hf_pretrained.config.vocab_size
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        ddp = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=self.layout.grad_reduce_in_fp32, overlap_grad_reduce=False)
         self.model = mm.build_model(self.bridge, self.layout, self.dtype, self.accelerator, ddp_config=ddp)
         self.ref_model = None
         if needs_reference(cfg):
@@ -74,13 +76,13 @@ class MegatronTrainBackend:
         t = cfg.train
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
-                optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                optimizer=t.optimizer, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                 adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
                 bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, params_dtype=self.dtype,
             ),
             self.model,
         )
-        self.scheduler = _lr_scheduler(cfg, self.optimizer)
+        self.scheduler = _StepSchedule(cfg, self.optimizer)
         config = get_model_config(self.model[0])
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
@@ -269,15 +271,26 @@ def _split(log_probs: list[Tensor], batches: list[_MicroBatch], samples: list[Sa
     return pieces
 
 
-def _lr_scheduler(cfg: EngineConfig, optimizer):
-    """Megatron's own LR schedule (its state is part of the checkpoint), over the run's optimizer steps."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+class _StepSchedule:
+    """The shared LR schedule (vime_engine.algorithms.lr_schedule) driving Megatron's optimizer; its state, the
+    optimizer steps taken, is part of the checkpoint."""
 
-    t = cfg.train
-    total_steps = max(1, cfg.rollout.num_rollout * (cfg.samples_per_rollout // cfg.global_batch_size))
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, max_lr=t.lr, min_lr=t.min_lr,
-        lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=max(total_steps, t.lr_warmup_iters + 1),
-        lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
-        wd_incr_steps=total_steps, wd_incr_style="constant",
-    )
+    def __init__(self, cfg: EngineConfig, optimizer):
+        self.schedule, self.optimizer, self.num_steps = LRSchedule.from_config(cfg), optimizer, 0
+        self._apply()
+
+    def _apply(self) -> None:
+        lr = self.schedule.learning_rate(self.num_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+
+    def step(self, increment: int = 1) -> None:
+        self.num_steps += increment
+        self._apply()
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = state["num_steps"]
+        self._apply()

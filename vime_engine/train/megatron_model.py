@@ -45,6 +45,10 @@ class ParallelLayout:
     recompute_num_layers: int | None = None
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    attention_softmax_in_fp32: bool | None = None  # None: the provider's own choice
+    attention_backend: str | None = None  # megatron.core.transformer.enums.AttnBackend name; None: Megatron's
+    # Gradients reduced across data-parallel ranks in fp32 (exact reductions) unless turned off.
+    grad_reduce_in_fp32: bool = True
 
     @classmethod
     def from_flags(cls, flags: dict[str, Any]) -> ParallelLayout:
@@ -61,7 +65,18 @@ class ParallelLayout:
             # RL needs the same function for old and new log-probs: dropout off unless asked for.
             attention_dropout=float(flags.get("attention-dropout") or 0.0),
             hidden_dropout=float(flags.get("hidden-dropout") or 0.0),
+            attention_softmax_in_fp32=flags.get("attention-softmax-in-fp32"),
+            attention_backend=flags.get("attention-backend"),
+            grad_reduce_in_fp32=flags.get("accumulate-allreduce-grads-in-fp32", True),
         )
+        if layout.attention_backend is not None:
+            from megatron.core.transformer.enums import AttnBackend
+
+            if layout.attention_backend not in AttnBackend.__members__:
+                raise MegatronSetupError(
+                    f"--attention-backend {layout.attention_backend!r}: expected one of "
+                    f"{', '.join(AttnBackend.__members__)}"
+                )
         if layout.context != 1:
             raise MegatronSetupError(
                 "--context-parallel-size > 1 is not supported yet by the Megatron backend "
@@ -150,6 +165,12 @@ def build_model(
     provider.sequence_parallel = layout.sequence_parallel
     provider.attention_dropout = layout.attention_dropout
     provider.hidden_dropout = layout.hidden_dropout
+    if layout.attention_softmax_in_fp32 is not None:
+        provider.attention_softmax_in_fp32 = layout.attention_softmax_in_fp32
+    if layout.attention_backend is not None:
+        from megatron.core.transformer.enums import AttnBackend
+
+        provider.attention_backend = AttnBackend[layout.attention_backend]
     if layout.recompute_granularity is not None:
         provider.recompute_granularity = layout.recompute_granularity
         provider.recompute_method = layout.recompute_method

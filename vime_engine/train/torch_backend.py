@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from vime_engine.algorithms.lr_schedule import LRSchedule
 from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
 from vime_engine.config import EngineConfig
 from vime_engine.manifest import FileEntry, read_verified
@@ -32,6 +33,8 @@ from vime_engine.train.rollout_batch import RolloutBatch, build_rollout_batch, g
 MODEL_FILE = "model.safetensors"
 TRAINER_TENSORS_FILE = "trainer.safetensors"  # optimizer moments, critic weights
 TRAINER_STATE_FILE = "trainer.pt"  # the rest: param groups, scheduler, RNG states (small)
+# `--optimizer`: Megatron's "adam" applies weight decay decoupled, as AdamW does.
+OPTIMIZERS = {"adam": torch.optim.AdamW}
 
 
 class ValueHead(nn.Module):
@@ -76,13 +79,13 @@ class TorchTrainBackend:
         # The modules the training forward runs through: DDP wrappers over the same parameters when data parallel.
         self.train_model = _data_parallel(self.model, self.dp)
         self.train_critic = _data_parallel(self.critic, self.dp) if self.critic is not None else None
-        self.optimizer = torch.optim.AdamW(
+        optimizer_class = OPTIMIZERS[t.optimizer]
+        self.optimizer = optimizer_class(
             params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
         )
-        total_steps = cfg.train.lr_decay_iters or max(
-            1, cfg.rollout.num_rollout * (cfg.samples_per_rollout // cfg.global_batch_size)
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, total_steps))
+        schedule = LRSchedule.from_config(cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: schedule.learning_rate(step) / schedule.lr)
 
     # -- forward passes -----------------------------------------------------------------------------------------
     def _forward(self, model: nn.Module, samples: list[Sample], with_logits: bool) -> tuple[Tensor, Tensor | None]:
@@ -149,7 +152,8 @@ class TorchTrainBackend:
         return totals
 
     def _optimizer_step(self, samples: list[Sample], step: list[int], rollout: RolloutBatch) -> dict[str, float]:
-        local = self.dp.share(step)
+        local = (self.dp.balanced_share(step, [s.total_length for s in samples]) if self.cfg.train.balance_data
+                 else self.dp.share(step))
         local_samples = [samples[i] for i in local]
         global_tokens, global_samples = max(rollout.num_tokens(step), 1), len(step)
         metrics: dict[str, float] = {}
@@ -303,21 +307,3 @@ def _response_positions(samples: list[Sample], device: torch.device) -> Tensor:
     return torch.cat(
         [torch.arange(len(s.prompt_tokens), s.total_length) for s in samples]
     ).to(device)
-
-
-def _lr_lambda(cfg: EngineConfig, total_steps: int):
-    t = cfg.train
-    floor = t.min_lr / t.lr
-
-    def factor(step: int) -> float:
-        if step < t.lr_warmup_iters:
-            return (step + 1) / t.lr_warmup_iters
-        if t.lr_decay_style == "constant":
-            return 1.0
-        progress = min(1.0, (step - t.lr_warmup_iters) / max(1, total_steps - t.lr_warmup_iters))
-        if t.lr_decay_style == "linear":
-            return floor + (1 - floor) * (1 - progress)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
