@@ -10,6 +10,10 @@ after one warm-up sync is kept.
 
     .venv/bin/python bench/weight_sync.py
     .venv/bin/python bench/weight_sync.py --models tiny-qwen3 --repeat 5 --bucket-mb 16
+    .venv/bin/python bench/weight_sync.py --models smollm2-135m-instruct --trainer-ranks 1 2
+
+With `--trainer-ranks 1 2` the disaggregated paths run from a trainer group of one and of two data-parallel
+ranks (rank 0 sends; the others take part in the gather), printed with the ratio to one rank.
 
 Goal: >= 1 GB/s in-process.
 """
@@ -64,24 +68,29 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", default=["in-process", "object-store", "broadcast"])
     parser.add_argument("--cache", type=Path, default=Path("/tmp/vf_bench"))
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--trainer-ranks", nargs="+", type=int, default=[1])
     args = parser.parse_args()
 
     data = materialize_builtin_dataset("arithmetic", args.cache / "data")
-    with ray_cluster(num_cpus=4):
+    with ray_cluster(num_cpus=max(4, max(args.trainer_ranks) + 1)):
         for name in args.models:
             path = materialize_builtin_model(name, args.cache / name)
             nbytes = model_bytes(path)
             rows = {}
             for path_name in args.paths:
-                cfg = build_config([], **{
-                    "hf-checkpoint": str(path), "prompt-data": str(data), "input-key": "question",
-                    "label-key": "answer", "vllm-kv-cache-gb": 0.5, "colocate": path_name == "in-process",
-                    "output-dir": str(args.cache / "run"),
-                })
-                rows[path_name] = measure(cfg, "broadcast" if path_name == "broadcast" else path_name, args.repeat)
-                seconds = rows[path_name]
-                print(f"{name:24s} {path_name:13s} {nbytes / 1e6:8.1f} MB  {seconds:7.3f} s  "
-                      f"{nbytes / seconds / 1e9:6.2f} GB/s", flush=True)
+                for ranks in [1] if path_name == "in-process" else args.trainer_ranks:
+                    cfg = build_config([], **{
+                        "hf-checkpoint": str(path), "prompt-data": str(data), "input-key": "question",
+                        "label-key": "answer", "vllm-kv-cache-gb": 0.5, "colocate": path_name == "in-process",
+                        "output-dir": str(args.cache / "run"), "actor-num-gpus-per-node": ranks,
+                    })
+                    row = path_name if ranks == 1 else f"{path_name}-dp{ranks}"
+                    rows[row] = measure(cfg, "broadcast" if path_name == "broadcast" else path_name, args.repeat)
+                    seconds = rows[row]
+                    print(f"{name:24s} {row:18s} {nbytes / 1e6:8.1f} MB  {seconds:7.3f} s  "
+                          f"{nbytes / seconds / 1e9:6.2f} GB/s", flush=True)
+                    if ranks > 1:
+                        print(f"{name:24s} {row} / one rank time: {seconds / rows[path_name]:.2f}x")
             if "in-process" in rows:
                 for other in rows:
                     if other != "in-process":
