@@ -47,7 +47,11 @@ def load_credentials(secret_block: str | None = None) -> ModelArtsCredentials:
     if secret_block:
         from prefect.blocks.system import Secret
 
-        value = Secret.load(secret_block).get()
+        try:
+            value = Secret.load(secret_block).get()
+        except ValueError as exc:  # Prefect's "Unable to find block document named …"
+            raise ModelArtsError("load credentials", f"no Secret block named {secret_block!r}: save one holding "
+                                 '{"ak": …, "sk": …, "project_id": …} (Prefect UI: Blocks → Secret)') from exc
         data = json.loads(value) if isinstance(value, str) else dict(value)
         missing = {"ak", "sk", "project_id"} - data.keys()
         if missing:

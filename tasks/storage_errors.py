@@ -21,6 +21,7 @@ _TRANSIENT_CODES = {
     "RequestTimeTooSkewed", "OperationAborted",
 }
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NotFound", "404"}
+_REFUSED_HINT = "check the access key, its secret and the bucket policy"
 
 
 class StorageError(Exception):
@@ -59,6 +60,8 @@ def classify(op: str, uri: str, *, status: int | None, code: str | None, message
              secrets: Iterable[str | None] = ()) -> StorageError:
     """Map an HTTP status and service error code to the error type that decides retry behaviour."""
     secrets = tuple(secrets)
+    if status in (401, 403):
+        message = f"{message} ({_REFUSED_HINT})" if message else _REFUSED_HINT
     kw = dict(status=status, code=code, message=message, secrets=secrets)
     if code in _NOT_FOUND_CODES or status == 404:
         return NotFoundError(op, uri, **kw)

@@ -34,7 +34,7 @@ _TRANSIENT_BOTO = (bce.EndpointConnectionError, bce.ConnectionClosedError, bce.R
                    bce.ConnectTimeoutError, bce.ResponseStreamingError, bce.IncompleteReadError,
                    bce.HTTPClientError, RetriesExceededError, Urllib3HTTPError, ConnectionError, TimeoutError)
 
-_HTTP_REASONS = {403: "Forbidden (check the credentials and the bucket policy)", 404: "Not Found",
+_HTTP_REASONS = {403: "Forbidden", 404: "Not Found",
                  400: "Bad Request"}
 
 

@@ -82,6 +82,12 @@ def job_name(run_name: str, start: int) -> str:
     return f"vf-{run}-c{start}-{int(time.time() * 1000) % 10**9}"
 
 
+def modelarts_client(settings: ModelArtsSettings):
+    """The API client, signed with the credentials of the Secret block the settings name (else the environment)."""
+    return make_client(load_credentials(settings.credentials_block), endpoint=settings.endpoint,
+                       region=settings.region)
+
+
 def job_spec(spec: ChunkSpec, spec_uri: str, settings: ModelArtsSettings) -> ModelArtsJobSpec:
     env = {name: os.environ[name] for name in settings.forward_env if os.environ.get(name)}
     env.update(settings.env)
@@ -142,8 +148,7 @@ def submit_modelarts(job: EngineJob, layout: RunLayout, start: int, count: int, 
     spec = ChunkSpec(layout.storage_root, layout.run_name, layout.work_dir, start, count, job)
     root = open_storage(layout.storage_root)
     root.put_bytes(spec.spec_key, spec.to_json().encode())
-    client = make_client(load_credentials(settings.credentials_block), endpoint=settings.endpoint,
-                         region=settings.region)
+    client = modelarts_client(settings)
     t0 = time.perf_counter()
     result = run_modelarts_job(job_spec(spec, root.uri(spec.spec_key), settings), client, logger=logger,
                                interval=settings.poll_interval_s, max_interval=settings.max_poll_interval_s)

@@ -12,6 +12,7 @@ import pytest
 from vime_engine.manifest import MANIFEST_NAME
 from tasks.staging import fetch, parse_source, stage_dataset, stage_model
 from tasks.storage import NotFoundError, PermanentStorageError, open_storage
+from tests.support.prefect_server import task_attempts
 
 RNG = random.Random(3)
 MODEL_V1 = {
@@ -189,16 +190,22 @@ STAGING_FAILURES = {
 }
 
 
+def _run_pipeline(model_source: str, root: str):
+    """rl-pipeline in process (under prefect_harness) on a model and a storage root; returns its final state."""
+    from flows.params import EvaluationSettings, ModelSource, StorageTarget, TrainData
+    from flows.rl_pipeline import rl_pipeline
+
+    return rl_pipeline(model=ModelSource(source=model_source), data=TrainData(source="builtin://arithmetic"),
+                       evaluation=EvaluationSettings(datasets=[]), storage=StorageTarget(root=root),
+                       return_state=True)
+
+
 @pytest.mark.parametrize("case", STAGING_FAILURES)
 def test_a_permanent_staging_error_fails_the_pipeline_once_as_itself(case, prefect_harness, hf_endpoint, hf_hub,
                                                                       hf_model, storage_env, moto_endpoint,
                                                                       monkeypatch, tmp_path):
     """Not retried, and the flow's exception is the staging error naming the URI (not the AttributeError of a
     flow that went on with a failed task's None)."""
-    from flows.params import EvaluationSettings, ModelSource, StorageTarget, TrainData
-    from flows.rl_pipeline import rl_pipeline
-    from tests.support.prefect_server import task_attempts
-
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
     source, root, error, names = STAGING_FAILURES[case]
     values = {"repo": hf_model[0], "tmp": tmp_path, "file_root": (tmp_path / "store").as_uri(),
@@ -206,9 +213,7 @@ def test_a_permanent_staging_error_fails_the_pipeline_once_as_itself(case, prefe
     source, root, names = source.format(**values), root.format(**values), [n.format(**values) for n in names]
     hub_requests = len(hf_hub.requests)
 
-    state = rl_pipeline(model=ModelSource(source=source), data=TrainData(source="builtin://arithmetic"),
-                        evaluation=EvaluationSettings(datasets=[]), storage=StorageTarget(root=root),
-                        return_state=True)
+    state = _run_pipeline(source, root)
     with pytest.raises(error) as failure:
         state.result()
     for name in names:
@@ -217,3 +222,35 @@ def test_a_permanent_staging_error_fails_the_pipeline_once_as_itself(case, prefe
     if source.startswith("hf://"):  # one question to the Hub: its 404 is an answer, not a fault
         asked = [p for _, p in hf_hub.requests[hub_requests:] if "no-such-rev" in p]
         assert asked == [f"/api/models/{hf_model[0]}/revision/no-such-rev"]
+
+
+@pytest.mark.parametrize("wrong", ["secret", "access key"])
+def test_wrong_s3_credentials_fail_the_pipeline_once_with_a_403_naming_the_bucket(wrong, prefect_harness,
+                                                                                  moto_with_iam, storage_env,
+                                                                                  monkeypatch, caplog):
+    """Against a server that checks SigV4 signatures (moto with IAM auth): a wrong secret for a real key, or a
+    key it does not know, is a 403 that is not retried; nothing reaches the bucket; no credential is shown."""
+    import boto3
+
+    s3 = moto_with_iam
+    bucket = f"vf-auth-{RNG.randrange(10**9)}"
+    boto3.client("s3", endpoint_url=s3.url, region_name="us-east-1", aws_access_key_id=s3.access_key,
+                 aws_secret_access_key=s3.secret_key).create_bucket(Bucket=bucket)
+    bad_key, bad_secret = (s3.access_key, "wrong-secret-Vq0x7") if wrong == "secret" else ("AKIAVFUNKNOWN0000000",
+                                                                                            s3.secret_key)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", bad_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", bad_secret)
+
+    state = _run_pipeline("builtin://tiny-qwen3", f"s3://{bucket}/run-1")
+    with pytest.raises(PermanentStorageError) as failure:
+        state.result()
+    message = str(failure.value)
+    code = "SignatureDoesNotMatch" if wrong == "secret" else "InvalidAccessKeyId"
+    assert f"s3://{bucket}/run-1/" in message and f"status=403 code={code}" in message
+    assert "check the access key, its secret and the bucket policy" in message
+    assert task_attempts(state.state_details.flow_run_id)["stage_model"] == 1
+    assert bad_secret not in message and bad_secret not in caplog.text
+    listing = boto3.client("s3", endpoint_url=s3.url, region_name="us-east-1", aws_access_key_id=s3.access_key,
+                           aws_secret_access_key=s3.secret_key).list_objects_v2(Bucket=bucket)
+    assert listing["KeyCount"] == 0

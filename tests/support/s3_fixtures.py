@@ -1,11 +1,20 @@
 """Pytest fixtures for storage tests: a moto S3 server, a fault proxy in front of it, test credentials, fresh
-buckets, and the local HF Hub server. Imported by tests/component/conftest.py."""
+buckets, a second moto server that checks credentials, and the local HF Hub server. Imported by
+tests/component/conftest.py."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 
+import httpx
 import pytest
 
 from tests.support.fault_proxy import FaultProxy
@@ -26,6 +35,48 @@ def moto_endpoint():
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+@dataclass(frozen=True)
+class CheckedS3:
+    url: str
+    access_key: str  # an IAM user's key, allowed s3:*
+    secret_key: str
+
+
+@pytest.fixture(scope="session")
+def moto_with_iam() -> Iterator[CheckedS3]:
+    """A moto server that authenticates every request as S3 does: SigV4 signatures checked against its IAM
+    users (403 SignatureDoesNotMatch, InvalidAccessKeyId). moto reads INITIAL_NO_AUTH_ACTION_COUNT when it is
+    imported, so this one runs in its own process; the count lets the three calls that make its only user
+    through unsigned."""
+    from tests.support.prefect_server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", url.rsplit(":", 1)[1]],
+                            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{url}/moto-api/", timeout=2)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
+                time.sleep(0.2)
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="unsigned",
+                           aws_secret_access_key="unsigned")
+        iam.create_user(UserName="vimeflow")
+        iam.put_user_policy(UserName="vimeflow", PolicyName="s3", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="vimeflow")["AccessKey"]
+        yield CheckedS3(url, key["AccessKeyId"], key["SecretAccessKey"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @pytest.fixture
