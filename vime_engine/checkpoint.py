@@ -6,16 +6,18 @@ Layout under the checkpoint root:
         model.safetensors, trainer.*      written by the training backend (weights; optimizer, scheduler, RNG)
         driver.json                       data cursor, weight version, metrics history, config and its hash
         buffer.pkl                        samples carried over to the next rollout (dynamic sampling)
-        manifest.json                     written last: every file's size and sha256
+        manifest.json                     written last: every file's size, sha256 and xxh3-128
     LATEST                                "rollout_0000007", replaced atomically after the manifest is on disk
 
 A directory without a valid manifest is not a checkpoint. `find_latest` walks back from LATEST (or the newest
 directory) to the newest checkpoint whose files match their manifest and says which it skipped and why.
 
-Checking sha256 costs a full read, so the resume path does it in the read that loads the files:
-`candidates` yields checkpoints whose manifest and file sizes are right, and the loader checks each file's
-sha256 as it reads it (a mismatch raises CheckpointError and the next candidate is tried). Likewise the
-backend returns the digests it computed while writing, and `commit` hashes only the other files.
+Checking a checksum costs a full read, so the resume path does it in the read that loads the files:
+`candidates` yields checkpoints whose manifest and file sizes are right, and the loader checks each file as
+it reads it (a mismatch raises CheckpointError and the next candidate is tried). Loads check the xxh3-128
+(about 20x faster than sha256); the sha256 stays the content address, and manifests written before the fast
+checksum existed are checked by it. Likewise the backend returns the digests it computed while writing, and
+`commit` hashes only the other files.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def _rollout_ids(root: Path) -> list[int]:
 def validate(path: Path, content: bool = True) -> CheckpointRef:
     """The checkpoint at `path`, or CheckpointError saying why it is not one.
 
-    `content=False` checks the manifest and every file's presence and size but not its sha256 (for callers
+    `content=False` checks the manifest and every file's presence and size but not its checksum (for callers
     that only need to know how far a run got, or that check the hashes as they read the files).
     """
     m = _DIR_RE.match(path.name)

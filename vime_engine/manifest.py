@@ -1,15 +1,17 @@
-"""The directory manifest: every file's size and sha256, written last.
+"""The directory manifest: every file's size, sha256 and xxh3-128, written last.
 
 Format (engine checkpoints and committed storage prefixes)::
 
     {"version": 1,
-     "files": {"<posix relpath>": {"size": <int>, "sha256": "<hex>"}},
+     "files": {"<posix relpath>": {"size": <int>, "sha256": "<hex>", "xxh3_128": "<hex>"}},
      "created": "<ISO-8601 UTC>",
      "meta": {...free-form...}}
 
 A prefix (or directory) is trusted only when its ``manifest.json`` parses and every file it lists is present
-with that size and sha256. The "manifest hash" is the sha256 of the exact bytes of ``manifest.json`` as
-written; it names a committed tree (cache keys, lineage).
+with that size and checksum. The sha256 is the content address (cache keys, lineage, storage checks); the
+xxh3-128 is the check a load runs (about 20x faster than sha256), computed in the same pass as the sha256.
+Manifests written before it existed have no ``xxh3_128`` and are checked by their sha256. The "manifest hash"
+is the sha256 of the exact bytes of ``manifest.json`` as written; it names a committed tree.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import xxhash
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -33,6 +37,48 @@ _READ_CHUNK = 1 << 20
 class FileEntry:
     size: int
     sha256: str
+    xxh3_128: str | None = None  # None in manifests written before the fast checksum existed
+
+
+class _Hash(Protocol):
+    def update(self, data: bytes | memoryview, /) -> None: ...
+    def hexdigest(self) -> str: ...
+
+
+class FileHashes:
+    """Both checksums of one stream of bytes, fed in order: what a write (or a first read) records."""
+
+    def __init__(self) -> None:
+        self.sha256 = hashlib.sha256()
+        self.xxh3_128 = xxhash.xxh3_128()
+        self.size = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.sha256.update(data)
+        self.xxh3_128.update(data)
+        self.size += len(data)
+
+    def entry(self) -> FileEntry:
+        return FileEntry(self.size, self.sha256.hexdigest(), self.xxh3_128.hexdigest())
+
+
+@dataclass(frozen=True)
+class LoadCheck:
+    """The hash a load runs over a file's bytes and the digest they must reach."""
+
+    name: str
+    hash: _Hash
+    expected: str
+
+    @classmethod
+    def for_entry(cls, entry: FileEntry) -> "LoadCheck":
+        """xxh3-128 when the entry records it, else sha256 (manifests from before the fast checksum)."""
+        if entry.xxh3_128 is not None:
+            return cls("xxh3_128", xxhash.xxh3_128(), entry.xxh3_128)
+        return cls("sha256", hashlib.sha256(), entry.sha256)
+
+    def matches(self) -> bool:
+        return self.hash.hexdigest() == self.expected
 
 
 @dataclass(frozen=True)
@@ -47,10 +93,11 @@ class FileDigest:
     sha256: str
     part_size: int
     part_md5s: tuple[str, ...]
+    xxh3_128: str | None = None
 
     @property
     def entry(self) -> FileEntry:
-        return FileEntry(self.size, self.sha256)
+        return FileEntry(self.size, self.sha256, self.xxh3_128)
 
     def expected_etag(self, multipart: bool) -> str:
         """S3/OBS ETag for this content: md5 for one PUT, md5(concat(part md5s))-N for a multipart upload."""
@@ -71,7 +118,7 @@ class Manifest:
         """Canonical bytes (sorted keys) so the same tree and meta always hash the same."""
         doc = {
             "version": self.version,
-            "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())},
+            "files": {k: _entry_doc(v) for k, v in sorted(self.files.items())},
             "created": self.created,
             "meta": self.meta,
         }
@@ -93,10 +140,23 @@ class Manifest:
             raise ValueError(f"unsupported manifest version: {doc.get('version') if isinstance(doc, dict) else doc!r}")
         files = {}
         for rel, e in doc["files"].items():
-            if not isinstance(e.get("size"), int) or not isinstance(e.get("sha256"), str) or len(e["sha256"]) != 64:
+            fast = e.get("xxh3_128")
+            if (not isinstance(e.get("size"), int) or not _is_hex(e.get("sha256"), 64)
+                    or (fast is not None and not _is_hex(fast, 32))):
                 raise ValueError(f"bad manifest entry for {rel!r}")
-            files[check_relpath(rel)] = FileEntry(e["size"], e["sha256"])
+            files[check_relpath(rel)] = FileEntry(e["size"], e["sha256"], fast)
         return cls(files=files, created=str(doc.get("created", "")), meta=dict(doc.get("meta") or {}))
+
+
+def _entry_doc(entry: FileEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {"size": entry.size, "sha256": entry.sha256}
+    if entry.xxh3_128 is not None:
+        doc["xxh3_128"] = entry.xxh3_128
+    return doc
+
+
+def _is_hex(value: object, length: int) -> bool:
+    return isinstance(value, str) and len(value) == length and all(c in "0123456789abcdef" for c in value)
 
 
 def check_relpath(rel: str) -> str:
@@ -117,16 +177,15 @@ def part_size_for(size: int, min_part: int = 8 << 20, max_parts: int = 10_000) -
 
 
 def digest_file(path: Path, part_size: int, part_md5s: bool = True) -> FileDigest:
-    """One sequential read: sha256 of the whole file and md5 of every ``part_size`` slice.
+    """One sequential read: the file's checksums and the md5 of every ``part_size`` slice.
 
-    Without ``part_md5s`` (stores without ETags) only the sha256 is computed: md5 is the slower of the two.
+    Without ``part_md5s`` (stores without ETags) no md5 is computed: it is the slowest of the hashes.
     """
     if not part_md5s:
         entry = file_entry(Path(path))
-        return FileDigest(size=entry.size, sha256=entry.sha256, part_size=part_size, part_md5s=())
-    sha = hashlib.sha256()
+        return FileDigest(entry.size, entry.sha256, part_size, (), entry.xxh3_128)
+    hashes = FileHashes()
     md5s: list[str] = []
-    size = 0
     with open(path, "rb") as f:
         while True:
             part = hashlib.md5()
@@ -135,16 +194,16 @@ def digest_file(path: Path, part_size: int, part_md5s: bool = True) -> FileDiges
                 chunk = f.read(min(_READ_CHUNK, left))
                 if not chunk:
                     break
-                sha.update(chunk)
+                hashes.update(chunk)
                 part.update(chunk)
                 left -= len(chunk)
-                size += len(chunk)
             if left == part_size and md5s:
                 break
             md5s.append(part.hexdigest())
             if left:
                 break
-    return FileDigest(size=size, sha256=sha.hexdigest(), part_size=part_size, part_md5s=tuple(md5s))
+    entry = hashes.entry()
+    return FileDigest(entry.size, entry.sha256, part_size, tuple(md5s), entry.xxh3_128)
 
 
 def sha256_file(path: Path) -> str:
@@ -156,7 +215,24 @@ def sha256_file(path: Path) -> str:
 
 
 def file_entry(path: Path) -> FileEntry:
-    return FileEntry(path.stat().st_size, sha256_file(path))
+    """Size and both checksums of a file, in one read."""
+    hashes = FileHashes()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            hashes.update(chunk)
+    return hashes.entry()
+
+
+def file_matches(path: Path, entry: FileEntry) -> bool:
+    """Whether the file has the entry's size and bytes (by its load check: xxh3-128 when recorded)."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size != entry.size:
+        return False
+    check = LoadCheck.for_entry(entry)
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            check.hash.update(chunk)
+    return check.matches()
 
 
 def list_tree(local_dir: Path) -> dict[str, Path]:
@@ -194,25 +270,27 @@ def build_manifest(local_dir: Path, meta: dict[str, Any] | None = None,
 
 
 class ChecksumMismatch(ValueError):
-    """A file's bytes do not match the size or sha256 its manifest entry records."""
+    """A file's bytes do not match the size or checksum its manifest entry records."""
 
 
 def read_verified(path: Path, expected: FileEntry) -> bytes:
     """The file's bytes, after checking them against `expected` (ChecksumMismatch naming the file if not)."""
     data = Path(path).read_bytes()
-    if len(data) != expected.size or hashlib.sha256(data).hexdigest() != expected.sha256:
-        raise ChecksumMismatch(f"{path}: bytes differ from the manifest (the file is corrupt)")
+    check = LoadCheck.for_entry(expected)
+    check.hash.update(data)
+    if len(data) != expected.size or not check.matches():
+        raise ChecksumMismatch(f"{path}: bytes differ from the manifest's {check.name} (the file is corrupt)")
     return data
 
 
 def verify_local_tree(local_dir: Path, files: Mapping[str, FileEntry], content: bool = True) -> list[str]:
     """Relpaths whose local file is missing or differs from its entry (empty list: the tree matches).
 
-    `content=False` compares sizes only (the sha256 is then checked by whoever reads the files).
+    `content=False` compares sizes only (the checksum is then checked by whoever reads the files).
     """
     bad = []
     for rel, entry in sorted(files.items()):
         p = Path(local_dir) / rel
-        if not p.is_file() or p.stat().st_size != entry.size or (content and sha256_file(p) != entry.sha256):
+        if not p.is_file() or p.stat().st_size != entry.size or (content and not file_matches(p, entry)):
             bad.append(rel)
     return bad

@@ -1,11 +1,13 @@
-"""Safetensors files written and read with their sha256 in the same pass."""
+"""Safetensors files written and read with their checksums in the same pass."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file
 
 from vime_engine.manifest import ChecksumMismatch
@@ -29,6 +31,7 @@ def test_write_returns_the_files_digest_and_any_safetensors_reader_loads_it(tmp_
     entry = write_tensors(path, _tensors(), {"format": "pt"})
     data = path.read_bytes()
     assert entry.size == len(data) and entry.sha256 == hashlib.sha256(data).hexdigest()
+    assert entry.xxh3_128 == xxhash.xxh3_128(data).hexdigest()
     for name, tensor in load_file(str(path)).items():
         assert torch.equal(tensor, _tensors()[name]), name
 
@@ -42,10 +45,13 @@ def test_read_gives_back_every_tensor_exactly(tmp_path):
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
 
 
+@pytest.mark.parametrize("old_manifest", [False, True], ids=["xxh3", "sha256-only"])
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_read_refuses_a_damaged_file_naming_it(tmp_path, damage):
+def test_read_refuses_a_damaged_file_naming_it(tmp_path, damage, old_manifest):
     path = tmp_path / "t.safetensors"
     entry = write_tensors(path, _tensors())
+    if old_manifest:  # an entry from before the fast checksum: the sha256 is checked instead
+        entry = dataclasses.replace(entry, xxh3_128=None)
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[len(data) - 3] ^= 0x01
@@ -54,6 +60,18 @@ def test_read_refuses_a_damaged_file_naming_it(tmp_path, damage):
     path.write_bytes(bytes(data))
     with pytest.raises(ChecksumMismatch, match="t.safetensors"):
         read_tensors(path, entry)
+
+
+def test_read_checks_the_fast_checksum_when_recorded_and_the_sha256_otherwise(tmp_path):
+    path = tmp_path / "t.safetensors"
+    entry = write_tensors(path, _tensors())
+    wrong_sha = dataclasses.replace(entry, sha256="0" * 64)
+    assert read_tensors(path, wrong_sha).keys() == _tensors().keys()  # the sha256 is not read again at load
+    with pytest.raises(ChecksumMismatch, match="xxh3_128"):
+        read_tensors(path, dataclasses.replace(entry, xxh3_128="0" * 32))
+    assert read_tensors(path, dataclasses.replace(entry, xxh3_128=None)).keys() == _tensors().keys()
+    with pytest.raises(ChecksumMismatch, match="sha256"):
+        read_tensors(path, dataclasses.replace(wrong_sha, xxh3_128=None))
 
 
 def test_split_and_join_round_trip_a_nested_optimizer_state():
