@@ -14,7 +14,11 @@ Phases, each in its own process (vLLM and Megatron each want to own torch.distri
             from the exported stream.
 After the sync the rollout process regenerates and the Megatron process recomputes those samples' log-probs.
 Prints one JSON line: `train/train_rollout_logprob_abs_diff` of each backend, weight-sync seconds and GB/s,
-and the post-sync |vLLM - Megatron| log-prob difference.
+the post-sync |vLLM - Megatron| log-prob difference, the engine settings vLLM ran with, and the checks below;
+exits 1 when any check fails:
+  - bf16 |train - rollout| log-prob difference <= 0.01 for each backend (vime reports 0.010-0.015 on Ascend);
+  - weight sync <= 1 s when the model has at most 1B parameters;
+  - the CUDA engine runs with CUDA graphs, prefix caching and chunked prefill (the device's defaults).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 BUCKET_BYTES = 64 * 2**20
+LOGPROB_DIFF_LIMIT = 0.01
+SYNC_SECONDS_LIMIT, SYNC_LIMIT_MAX_PARAMS = 1.0, 1_000_000_000
 
 
 def _cfg(model: str, backend: str):
@@ -75,6 +81,13 @@ def phase_rollout(model: str, work: Path, two_gpus: bool) -> None:
     from vime_engine.weight_sync.group import GroupAddress
 
     engine = VLLMEngine(EngineSettings(model_path=model, dtype="bfloat16", gpu_memory_utilization=0.3))
+    vllm_config = engine.llm.llm_engine.vllm_config  # what vLLM made of the arguments, not just what it was given
+    (work / "engine.json").write_text(json.dumps({
+        "kwargs": engine.engine_kwargs, "cudagraph_mode": str(vllm_config.compilation_config.cudagraph_mode),
+        "enforce_eager": vllm_config.model_config.enforce_eager,
+        "prefix_caching": vllm_config.cache_config.enable_prefix_caching,
+        "chunked_prefill": vllm_config.scheduler_config.enable_chunked_prefill,
+    }))
     (work / "rollout.pkl").write_bytes(pickle.dumps(_samples(engine, model, seed=0)))
     (work / "rollout.ready").touch()
     _wait(work / "sender.json")
@@ -113,6 +126,7 @@ def phase_train(model: str, work: Path, backend: str, two_gpus: bool) -> None:
     step_s = time.perf_counter() - start
     weights = dict(trainer.named_weights())
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    nparams = sum(t.numel() for t in weights.values())
     if two_gpus:
         from vime_engine.weight_sync.endpoints import BroadcastSender
 
@@ -135,7 +149,8 @@ def phase_train(model: str, work: Path, backend: str, two_gpus: bool) -> None:
     ours = trainer.log_probs(new).float().cpu()
     vllm = torch.tensor([x for s in new for x in s.rollout_log_probs])
     (work / "megatron.json").write_text(json.dumps({
-        **metrics, "step_s": step_s, "weight_bytes": nbytes, "send_s": send_s, "load_s": synced["seconds"],
+        **metrics, "step_s": step_s, "weight_bytes": nbytes, "weight_params": nparams, "send_s": send_s,
+        "load_s": synced["seconds"],
         "post_sync_logprob_abs_diff_mean": (ours - vllm).abs().mean().item(),
     }))
 
@@ -190,7 +205,9 @@ def main() -> None:
     if codes != (0, 0):
         raise SystemExit(f"megatron / rollout phases exited {codes}")
     t, m = json.loads((work / "torch.json").read_text()), json.loads((work / "megatron.json").read_text())
+    engine = json.loads((work / "engine.json").read_text())
     seconds = m["send_s"] if m["send_s"] is not None else m["load_s"]
+    checks = _checks(t, m, engine, seconds)
     print(json.dumps({
         "gpus": torch.cuda.device_count(), "model": model, "dtype": "bfloat16",
         "torch/train/train_rollout_logprob_abs_diff": t["train/train_rollout_logprob_abs_diff"],
@@ -198,8 +215,32 @@ def main() -> None:
         "torch_step_s": t["step_s"], "megatron_step_s": m["step_s"],
         "weight_sync": "nccl broadcast" if two_gpus else "in-process reload (one GPU: NCCL needs two)",
         "weight_sync_s": seconds, "weight_sync_GBps": m["weight_bytes"] / seconds / 1e9,
-        "vllm_load_s": m["load_s"], "post_sync_logprob_abs_diff_mean": m["post_sync_logprob_abs_diff_mean"],
+        "weight_params": m["weight_params"], "vllm_load_s": m["load_s"],
+        "post_sync_logprob_abs_diff_mean": m["post_sync_logprob_abs_diff_mean"], "engine": engine, "checks": checks,
     }))
+    failed = [c["name"] for c in checks if c["ok"] is False]
+    if failed:
+        raise SystemExit(f"failed checks: {'; '.join(failed)}")
+
+
+def _checks(t: dict, m: dict, engine: dict, sync_seconds: float) -> list[dict]:
+    """Each check's value, limit and verdict (ok None: does not apply to this model)."""
+    checks = [
+        {"name": f"{backend} bf16 |train - rollout| log-prob <= {LOGPROB_DIFF_LIMIT}", "value": diff,
+         "ok": diff <= LOGPROB_DIFF_LIMIT}
+        for backend, diff in (("torch", t["train/train_rollout_logprob_abs_diff"]),
+                              ("megatron", m["train/train_rollout_logprob_abs_diff"]))
+    ]
+    small = m["weight_params"] <= SYNC_LIMIT_MAX_PARAMS
+    checks.append({"name": f"weight sync <= {SYNC_SECONDS_LIMIT} s (models up to 1B parameters)",
+                   "value": sync_seconds, "ok": sync_seconds <= SYNC_SECONDS_LIMIT if small else None})
+    wanted = {"enforce_eager": False, "enable_prefix_caching": True, "enable_chunked_prefill": True}
+    graphs = (not engine["enforce_eager"] and not engine["cudagraph_mode"].endswith("NONE")
+              and engine["prefix_caching"] and engine["chunked_prefill"])
+    chosen = {k: engine["kwargs"][k] for k in wanted}
+    checks.append({"name": "CUDA engine: CUDA graphs, prefix caching and chunked prefill", "value": engine,
+                   "ok": chosen == wanted and graphs})
+    return checks
 
 
 if __name__ == "__main__":
