@@ -16,7 +16,7 @@ errors = Console(stderr=True, soft_wrap=True, highlight=False)  # soft_wrap: a l
 VERBOSE_HELP = "on an error, print its traceback too (else one message)"
 EXIT_USER_ERROR = 2  # input the user can fix: configuration, data, model directory, checkpoint
 EXIT_FAILURE = 1
-DEFAULT_TRAIN_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train-demo.yaml"
+DEFAULT_TRAIN_CONFIG = "train-demo.yaml"  # shipped as package data in flows/configs/
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
@@ -114,7 +114,9 @@ def train(
     from vime_engine.runtime.cluster import keep_local_ray_on_loopback
 
     try:
-        cfg = _engine_config(config or (None if ctx.args else DEFAULT_TRAIN_CONFIG), list(ctx.args))
+        from flows.configs import config_file
+
+        cfg = _engine_config(config or (None if ctx.args else config_file(DEFAULT_TRAIN_CONFIG)), list(ctx.args))
     except Exception as exc:  # noqa: BLE001  (one message; the traceback only with --verbose)
         raise _fail(exc, verbose) from None
     keep_local_ray_on_loopback(cfg.placement.ray_address)  # before the driver imports Ray

@@ -13,7 +13,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 
-from flows.params import CONFIGS, load_params
+from flows.configs import config_file as shipped_config
+from flows.params import load_params
 from flows.rl_pipeline import rl_pipeline
 from tasks.regression import compare, load_baseline, render_diff
 
@@ -24,17 +25,18 @@ class RegressionDetected(AssertionError):
 
 @flow(name="nightly-regression", log_prints=True)
 def nightly_regression(
-    config_file: str = str(CONFIGS / "pipeline-tiny.yaml"),
-    baseline_file: str = str(CONFIGS / "nightly-baseline.yaml"),
+    config_file: str | None = None,
+    baseline_file: str | None = None,
     storage_root: str | None = None,
 ) -> dict[str, float | None]:
-    """Run the pinned configuration and gate it on the baseline's bands."""
-    params = load_params(config_file)
+    """Run the pinned configuration (default: the shipped pipeline-tiny.yaml) and gate it on the baseline's bands
+    (default: the shipped nightly-baseline.yaml)."""
+    params = load_params(config_file or shipped_config("pipeline-tiny.yaml"))
     root = storage_root or (Path.cwd() / "vimeflow-nightly" / str(runtime.flow_run.id)).resolve().as_uri()
     params.storage = params.storage.model_copy(update={"root": root})
     outcome = rl_pipeline(**params.as_flow_kwargs())
     observed = {**outcome.summary}
-    results = compare(observed, load_baseline(baseline_file))
+    results = compare(observed, load_baseline(baseline_file or shipped_config("nightly-baseline.yaml")))
     diff = render_diff(results)
     create_markdown_artifact(f"# Nightly regression\n\nreport: {outcome.report_uri}\n\n{diff}\n",
                              key="nightly-regression", description="metrics against the baseline")

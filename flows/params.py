@@ -2,8 +2,8 @@
 values outside their schema, and the flow validates the engine flags against EngineConfig before any work.
 
 The defaults are the embedded default run (`vimeflow run` without --config): built-in SmolLM2-135M-Instruct
-on built-in arithmetic problems with an AIME-shaped eval set, engine flags from configs/demo-engine.yaml
-when present (else the fallback below).
+on built-in one-digit arithmetic problems, evaluated on the held-out arithmetic problems and the built-in
+AIME-shaped set, with the engine flags of flows/configs/demo-engine.yaml (shipped as package data).
 """
 
 from __future__ import annotations
@@ -13,24 +13,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from flows.configs import config_file
 from tasks.images import ImageRequirements
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-DEMO_ENGINE_YAML = CONFIGS / "demo-engine.yaml"
+DEMO_ENGINE_YAML = "demo-engine.yaml"
 
 # Set by the pipeline from the other parameters; an engine flag of the same name would be ambiguous.
 PIPELINE_FLAGS = {"hf-checkpoint", "prompt-data", "num-rollout", "save", "load", "output-dir", "save-hf",
                   "eval-prompt-data", "ray-address", "start-rollout-id"}
 
-# Used until configs/demo-engine.yaml (tuned for learning within 15 min on 2 cores) exists.
-FALLBACK_ENGINE_FLAGS: dict[str, Any] = {
-    "input-key": "question", "label-key": "answer", "apply-chat-template": True, "rollout-shuffle": True,
-    "rm-type": "gsm8k", "rollout-batch-size": 4, "n-samples-per-prompt": 4, "rollout-max-response-len": 48,
-    "rollout-temperature": 0.7, "lr": 2.0e-6, "eps-clip-high": 0.28,
-}
 # Checkpoint cadence of the pipeline's default run: an in-chunk checkpoint every 2 rollouts, 2 kept on disk.
 PIPELINE_CHECKPOINT_FLAGS: dict[str, Any] = {"save-interval": 2, "keep-last": 2}
-FALLBACK_NUM_ROLLOUTS = 8
 
 
 def _norm(key: str) -> str:
@@ -38,25 +31,22 @@ def _norm(key: str) -> str:
 
 
 def demo_engine_values() -> dict[str, Any]:
-    """configs/demo-engine.yaml as flat values (flag spelling), or {} when it does not exist yet."""
-    if not DEMO_ENGINE_YAML.is_file():
-        return {}
+    """flows/configs/demo-engine.yaml as flat values (flag spelling); a missing file is an error naming it."""
     from vime_engine.config import load_yaml
 
-    return {_norm(k): v for k, v in load_yaml(DEMO_ENGINE_YAML).items()}
+    return {_norm(k): v for k, v in load_yaml(config_file(DEMO_ENGINE_YAML)).items()}
 
 
 class ModelSource(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    source: str = Field(default_factory=lambda: demo_engine_values().get("hf-checkpoint",
-                                                                          "builtin://smollm2-135m-instruct"),
+    source: str = Field(default_factory=lambda: demo_engine_values()["hf-checkpoint"],
                         description="hf://ORG/NAME[@REV], file:///dir, s3://…, obs://… or builtin://NAME",
                         pattern=r"^(hf|file|s3|obs|builtin)://.+|^/.+")
 
 
 class TrainData(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    source: str = Field(default_factory=lambda: demo_engine_values().get("prompt-data", "builtin://arithmetic"),
+    source: str = Field(default_factory=lambda: demo_engine_values()["prompt-data"],
                         description="prompt dataset (same schemes as the model)",
                         pattern=r"^(hf|file|s3|obs|builtin)://.+|^/.+")
     file: str | None = Field(None, description="the .jsonl/.parquet inside the staged tree (default: its only one)")
@@ -70,8 +60,9 @@ class EvalDataset(BaseModel):
 
 
 def _default_eval_sets() -> list[EvalDataset]:
-    """demo-engine.yaml's eval sets (tuned to show learning), else the AIME-shaped built-in set."""
-    pairs = demo_engine_values().get("eval-prompt-data") or ["aime", "builtin://aime-synthetic"]
+    """demo-engine.yaml's eval sets: the held-out arithmetic problems (where learning shows) and the AIME-shaped
+    set (which a 135M model scores near 0 on)."""
+    pairs = demo_engine_values()["eval-prompt-data"]
     return [EvalDataset(name=n, source=src) for n, src in zip(pairs[0::2], pairs[1::2])]
 
 
@@ -91,7 +82,6 @@ class EngineSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     flags: dict[str, Any] = Field(default_factory=lambda: {
-        **FALLBACK_ENGINE_FLAGS,
         **{k: v for k, v in demo_engine_values().items() if k not in PIPELINE_FLAGS},
         **PIPELINE_CHECKPOINT_FLAGS,
     })
@@ -116,7 +106,7 @@ class EngineSettings(BaseModel):
 class TrainingPlan(BaseModel):
     model_config = ConfigDict(extra="forbid")
     num_rollouts: int = Field(
-        default_factory=lambda: int(demo_engine_values().get("num-rollout", FALLBACK_NUM_ROLLOUTS)), ge=1)
+        default_factory=lambda: int(demo_engine_values()["num-rollout"]), ge=1)
     rollouts_per_chunk: int = Field(4, ge=1, description="rollouts per train_chunk task (a resumable unit)")
     infrastructure_retries: int = Field(3, ge=0, le=20, description="retries of a chunk after preemption, "
                                         "a dead Ray actor or a storage 5xx; other errors fail at once")

@@ -42,7 +42,7 @@ def test_every_stage_ran_and_the_published_report_is_consistent(prefect_api: Pre
         assert stored["meta"]["engine_manifest_sha256"] == chunk["manifest_sha256"]
     assert lineage["model"]["source"] == "builtin://tiny-qwen3" and len(lineage["model"]["manifest_sha256"]) == 64
     assert {"torch", "prefect", "ray", "python"} <= set(lineage["versions"])
-    assert lineage["config"]["engine_flags"]["custom-rm-path"] == "tests.support.tiny_task:digit_share"
+    assert lineage["config"]["engine_flags"]["custom-rm-path"] == "vime_engine.rewards.digit_share:digit_share"
 
     report = (out / "report.md").read_text()
     assert lineage["chunks"][-1]["checkpoint"] in report and lineage["config"]["identity_hash"] in report

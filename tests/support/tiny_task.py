@@ -1,11 +1,6 @@
-"""A task a randomly initialised 2-layer model can learn in a CI-sized run.
+"""The tiny model's task for tests (`--custom-rm-path tests/support/tiny_task.py:digit_share`): the engine's
+own digit-share reward, which the tiny pipeline config names as `vime_engine.rewards.digit_share:digit_share`."""
 
-Reward: the share of the response's characters that are digits. At random init the tiny byte-level
-tokenizer puts roughly a tenth of its probability mass on digit-bearing tokens, so every GRPO group sees
-different rewards from the first rollout, and pushing that mass up is learnable in a few dozen steps.
-"""
+from vime_engine.rewards.digit_share import digit_share
 
-
-def digit_share(response: str, label: str) -> float:
-    del label  # the task ignores the reference answer
-    return sum(ch.isdigit() for ch in response) / len(response) if response else 0.0
+__all__ = ["digit_share"]
