@@ -34,7 +34,8 @@ defaults = PipelineParams()
 tiny = load_params(config_file("pipeline-tiny.yaml"))
 reward = get_reward_fn(tiny.engine.flags.get("rm-type", "math"), tiny.engine.flags["custom-rm-path"])
 print(json.dumps({
-    "files": [flows.__file__, tasks.__file__, vime_engine.__file__, str(config_file("demo-engine.yaml"))],
+    "files": [flows.__file__, tasks.__file__, vime_engine.__file__, str(config_file("demo-engine.yaml")),
+              str(config_file("train-demo.yaml"))],
     "tests_importable": importlib.util.find_spec("tests") is not None,
     "defaults": defaults.model_dump(),
     "tiny_reward": [reward("12ab", ""), reward("", "")],
@@ -104,3 +105,17 @@ def test_the_wheel_runs_from_outside_the_repository_with_its_shipped_configs(ins
 def test_a_missing_shipped_config_is_an_error_naming_it():
     with pytest.raises(FileNotFoundError, match="no-such-config.yaml"):
         config_file("no-such-config.yaml")
+
+
+@pytest.mark.slow
+def test_the_installed_vimeflow_trains_the_tiny_model_with_the_shipped_reward(installed_python, tmp_path):
+    flags = ["--hf-checkpoint", "builtin://tiny-qwen3", "--prompt-data", "builtin://arithmetic",
+             "--input-key", "question", "--label-key", "answer", "--apply-chat-template",
+             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
+             "--custom-rm-path", "vime_engine.rewards.digit_share:digit_share", "--vllm-kv-cache-gb", "0.25",
+             "--output-dir", str(tmp_path / "run"), "--num-rollout", "1"]
+    done = subprocess.run([installed_python.parent / "vimeflow", "train", *flags], cwd=tmp_path, env=_clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    [record] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert record["rollout_id"] == 0 and 0.0 <= record["rollout/raw_reward"] <= 1.0
