@@ -75,14 +75,20 @@ def test_demo_sets_load_as_gsm8k_prompts_with_numeric_labels(tmp_path):
 
 
 @pytest.mark.parametrize("config", DEMO_CONFIGS)
-def test_demo_configs_train_on_the_demo_split_and_evaluate_on_the_held_out_one(tmp_path, monkeypatch, config):
+def test_demo_configs_train_on_the_demo_split_and_evaluate_on_the_held_out_one_and_aime(tmp_path, monkeypatch,
+                                                                                        config):
     monkeypatch.setenv("VIMEFLOW_CACHE", str(tmp_path))
     values = load_yaml(config)
     resolved = resolve_config_assets({k: v for k, v in values.items() if k != "hf-checkpoint"})
     cfg = from_flat({**resolved, "hf-checkpoint": "unused"})
     assert cfg.data.prompt_data == str(tmp_path / "datasets" / "arithmetic-demo.jsonl")
-    assert cfg.eval_datasets == [("held-out", str(tmp_path / "datasets" / "arithmetic-demo-eval.jsonl"))]
-    assert cfg.reward.rm_type == "gsm8k"
+    assert cfg.eval_datasets == [("held-out", str(tmp_path / "datasets" / "arithmetic-demo-eval.jsonl")),
+                                 ("aime", str(tmp_path / "datasets" / "aime-synthetic.jsonl"))]
+    assert cfg.reward.rm_type == "gsm8k" and cfg.eval.eval_rm_type is None and cfg.eval.eval_input_key is None
+    # The AIME-shaped set reads with the demo's keys and its answers grade with the demo's reward.
+    aime = load_prompt_dataset(cfg.eval_datasets[1][1], input_key=cfg.data.input_key, label_key=cfg.data.label_key)
+    assert len(aime) == 30 and all("\\boxed{}" in r.prompt for r in aime)
+    assert all(get_reward_fn("gsm8k")(f"so the answer is \\boxed{{{r.label}}}", r.label) == 1.0 for r in aime)
 
 
 def test_the_two_demo_configs_agree_on_every_training_value():

@@ -7,7 +7,8 @@
   split by operand pair into a training set and a held-out evaluation set. SmolLM2-135M-Instruct gets
   about a third of these right when sampled, so GRPO groups have reward variance from the first rollout.
 - `aime-synthetic`: AIME-shaped rows (`prompt`, `label`): problems from templates whose integer
-  answer (0-999) is computed, with the instruction to box the final answer.
+  answer (0-999) is computed, with the instruction to box the final answer. Each row holds the same problem
+  and answer under `question` / `answer` too, so a run whose keys are gsm8k's (the CPU demo) evaluates on it.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ _AIME_TEMPLATES: tuple[Callable[[random.Random], tuple[str, int]], ...] = (
 def _aime_row(index: int, rng: random.Random) -> Row:
     problem, answer = _AIME_TEMPLATES[index % len(_AIME_TEMPLATES)](rng)
     assert 0 <= answer <= 999, (problem, answer)  # the templates' ranges guarantee it
-    return {"prompt": f"{problem}\n\n{BOX_INSTRUCTION}", "label": str(answer)}
+    prompt = f"{problem}\n\n{BOX_INSTRUCTION}"
+    return {"prompt": prompt, "label": str(answer), "question": prompt, "answer": str(answer)}
 
 
 def arithmetic_rows() -> list[Row]:
@@ -181,7 +183,7 @@ _BUILDERS: dict[str, Callable[[], list[Row]]] = {
 
 BUILTIN_DATASETS: dict[str, str] = {
     "arithmetic": f"{ARITHMETIC_ROWS} one/two-digit addition and subtraction word problems, gsm8k shape (question, answer '#### N')",
-    "aime-synthetic": f"{AIME_ROWS} AIME-shaped problems with computed integer answers 0-999 (prompt, label), answer in \\boxed{{}}",
+    "aime-synthetic": f"{AIME_ROWS} AIME-shaped problems with computed integer answers 0-999 (prompt, label; also question, answer), answer in \\boxed{{}}",
     "arithmetic-demo": "one-digit sums and differences ('What is 7 + 5?'), gsm8k shape: training split for the CPU demo",
     "arithmetic-demo-eval": f"the {DEMO_EVAL_PAIRS} operand pairs held out of arithmetic-demo, same shape: its evaluation split",
 }
