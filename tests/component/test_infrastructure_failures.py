@@ -105,6 +105,17 @@ def _listening_addresses(procs: list[psutil.Process]) -> set[str]:
     return found
 
 
+def _engine_tree() -> list[psutil.Process]:
+    """The `tasks.chunk_runner` child of this process and everything under it (not the session's servers)."""
+    for child in psutil.Process(os.getpid()).children():
+        try:
+            if "tasks.chunk_runner" in child.cmdline():
+                return [child, *child.children(recursive=True)]
+        except psutil.Error:
+            pass
+    return []
+
+
 def _name(proc: psutil.Process) -> str:
     try:
         return proc.name()
@@ -143,10 +154,10 @@ def test_a_raylet_killed_under_a_run_is_a_retryable_infrastructure_failure(tmp_p
 
     runner = threading.Thread(target=run)
     runner.start()
-    engine_tree: list[psutil.Process] = []
+    engine_tree: list[psutil.Process] = []  # the engine process and its descendants: its Ray cluster
     while runner.is_alive() and not any(_name(p).startswith("ray::Rollout") for p in engine_tree):
         time.sleep(0.2)  # until the actors exist: by then every Ray server of the cluster listens
-        engine_tree = psutil.Process(os.getpid()).children(recursive=True)
+        engine_tree = _engine_tree()
     listening = _listening_addresses(engine_tree)
     runner.join(timeout=300)
     assert not runner.is_alive(), "the engine went on without its raylet"
