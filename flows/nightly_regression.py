@@ -35,7 +35,7 @@ def nightly_regression(
     root = storage_root or (Path.cwd() / "vimeflow-nightly" / str(runtime.flow_run.id)).resolve().as_uri()
     params.storage = params.storage.model_copy(update={"root": root})
     outcome = rl_pipeline(**params.as_flow_kwargs())
-    observed = {**outcome.summary}
+    observed = {**outcome.summary, **outcome.gates}
     results = compare(observed, load_baseline(baseline_file or shipped_config("nightly-baseline.yaml")))
     diff = render_diff(results)
     create_markdown_artifact(f"# Nightly regression\n\nreport: {outcome.report_uri}\n\n{diff}\n",

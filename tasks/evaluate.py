@@ -1,15 +1,20 @@
-"""evaluate: the engine's AIME-style evaluation (avg@n, pass@k, per-problem results) of one checkpoint.
+"""evaluate: the final evaluation of the run (avg@n, pass@k, per-problem rows) and the HF export of its last
+checkpoint.
 
-The engine runs eval-only (`--num-rollout 0 --load DIR`) in a child process on the named checkpoint, fetched
-from the storage root into a directory of its own, and exports the weights as an HF directory
-(`--save-hf`). Both outputs are committed to `{run}/evaluation/rollout_NNNNNNN/`; the result is cached by
-the checkpoint's manifest and the evaluation settings.
+The engine evaluates the final weights itself, at the run's last rollout inside the last chunk; this task takes
+those numbers from the chunk's result (and the per-problem rows from the chunk's output directory, when the
+chunk ran on this machine) instead of evaluating a second time. It fetches the checkpoint from the storage root
+into a directory of its own and exports its weights as an HF directory in an engine child process
+(`--num-rollout 0 --load DIR --save-hf`, no eval sets). Both are committed to
+`{run}/evaluation/rollout_NNNNNNN/`; the result is cached by the checkpoint's manifest and the evaluation
+settings.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,23 +49,48 @@ def eval_cache_key(context, parameters: dict[str, Any]) -> str:
     return "evaluate-" + hashlib.sha256(text.encode()).hexdigest()
 
 
+def final_eval_metrics(job: EngineJob, checkpoint: ChunkOutcome) -> dict[str, float]:
+    """The `eval/…` metrics the engine logged at the run's last rollout (the last chunk's `metrics`); an eval set
+    of the job that they lack is an error (a chunk trained under other eval sets came back from the cache)."""
+    metrics = {k: float(v) for k, v in checkpoint.metrics.items() if k.startswith("eval/")}
+    missing = [r.name for r in job.eval_data if f"eval/{r.name}" not in metrics]
+    if missing:
+        raise ValueError(f"the run's last chunk (checkpoint {checkpoint.checkpoint_uri}) holds no final evaluation "
+                         f"of {', '.join(missing)}: it was trained with other eval sets and came back from the "
+                         "cache; give the run another storage.run_name to train and evaluate it afresh")
+    return metrics
+
+
+def _copy_rows(chunk_eval_dir: Path, dest: Path, names: list[str], rollout_id: int) -> None:
+    """The per-problem rows of the final evaluation, where the last chunk wrote them (absent when it ran on
+    another machine, e.g. as a ModelArts job)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        rows = chunk_eval_dir / f"{name}_rollout_{rollout_id + 1:07d}.jsonl"
+        if rows.is_file():
+            shutil.copy2(rows, dest / rows.name)
+
+
 @task(name="evaluate", persist_result=True, cache_key_fn=eval_cache_key, retries=2, retry_delay_seconds=2,
       retry_condition_fn=is_infrastructure_failure)
 def evaluate(job: EngineJob, layout: RunLayout, checkpoint: ChunkOutcome) -> EvalOutcome:
-    """Evaluate `checkpoint` on every eval set and export its HF weights."""
+    """The final evaluation of the run's last checkpoint `checkpoint` (from the chunk that trained it) and the
+    checkpoint's HF export."""
     logger = get_run_logger()
     rollout_id = checkpoint.last_rollout
+    metrics = final_eval_metrics(job, checkpoint)
     work = Path(layout.work_dir) / "evaluation" / f"rollout_{rollout_id:07d}"
     load_root = work / "checkpoint"
     open_storage(checkpoint.checkpoint_uri).fetch_tree("", ckpt.checkpoint_dir(load_root, rollout_id))
     (load_root / ckpt.LATEST).write_text(ckpt.checkpoint_dir(load_root, rollout_id).name)
     out = work / "output"
     flags = localize(job, layout)
-    flags.pop("save-interval", None)
+    _copy_rows(Path(flags["output-dir"]) / "eval", out / "eval", [r.name for r in job.eval_data], rollout_id)
+    for flag in ("save-interval", "eval-prompt-data", "eval-interval", *EVAL_FLAGS):  # an export, no evaluation
+        flags.pop(flag, None)
     flags.update({"save": None, "load": str(load_root), "num-rollout": 0, "output-dir": str(out),
                   "save-hf": str(out / "hf")})
     run = run_engine_job({"mode": "evaluate", "flags": flags}, work / "job")
-    metrics = {k: float(v) for k, v in run.value["eval_metrics"].items()}
     for name, value in sorted(metrics.items()):
         if "/" not in name[5:]:
             logger.info("%s = %.4f", name, value)

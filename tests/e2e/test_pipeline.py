@@ -47,7 +47,11 @@ def test_every_stage_ran_and_the_published_report_is_consistent(prefect_api: Pre
     report = (out / "report.md").read_text()
     assert lineage["chunks"][-1]["checkpoint"] in report and lineage["config"]["identity_hash"] in report
     rewards = [r["rollout/raw_reward"] for r in history if "rollout/raw_reward" in r]
-    assert f"| reward_last | {rewards[-1]:.4g} |" in report
+    assert f"| reward, last rollout | {rewards[-1]:.4g} |" in report
+    # The final evaluation is the engine's at the last rollout (run once, inside the last chunk).
+    [before], [final] = ([r for r in history if r["rollout_id"] == i and "eval/aime" in r] for i in (-1, 3))
+    assert f"| aime | avg@2 | {before['eval/aime']:.4g} | {final['eval/aime']:.4g} |" in report
+    assert "- `aime`: `builtin://aime-synthetic`: 30 AIME-shaped problems" in report and "ratio" not in report
 
     artifacts = prefect_api.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [
         deployed_run.flow_run["id"]]}}}).json()
