@@ -15,8 +15,6 @@ import torch
 from safetensors.torch import load_file
 
 from vime_engine.config import ConfigError, build_config
-from vime_engine.data.synthetic import materialize_builtin_dataset
-from vime_engine.models.builtin import materialize_builtin_model
 from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.devices import CPU
 from vime_engine.runtime.driver import train
@@ -26,10 +24,8 @@ DP2 = {"actor-num-gpus-per-node": 2}
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trainer-group")
-    return (materialize_builtin_model("tiny-qwen3", root / "tiny"),
-            materialize_builtin_dataset("arithmetic", root / "data"), root)
+def inputs(tmp_path_factory, tiny_model, arithmetic_data):
+    return tiny_model, arithmetic_data, tmp_path_factory.mktemp("trainer-group")
 
 
 @pytest.fixture(scope="module")
