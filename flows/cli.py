@@ -192,7 +192,7 @@ def server(host: str = typer.Option("127.0.0.1", help="address to bind; another 
            port: int = 4200) -> None:
     """A Prefect server (SQLite by default; PostgreSQL via PREFECT_API_DATABASE_CONNECTION_URL), the
     deployments and automations, and a process worker; runs until Ctrl-C or SIGTERM, which stop all of it."""
-    from flows.deploy import ExposedServerError, serve
+    from flows.deploy import ExposedServerError, ServerProcessExited, serve
 
     def ready(ui: str) -> None:
         console.print(f"Prefect UI: [bold]{ui}[/bold]  (worker on pool vimeflow-process; Ctrl-C stops)")
@@ -202,6 +202,9 @@ def server(host: str = typer.Option("127.0.0.1", help="address to bind; another 
     except ExposedServerError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    except ServerProcessExited as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     console.print(f"{stopped_by}: the Prefect server and worker are stopped")
 
 

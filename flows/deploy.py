@@ -38,6 +38,10 @@ class ExposedServerError(ValueError):
     """A server on a non-loopback address without authentication."""
 
 
+class ServerProcessExited(RuntimeError):
+    """The Prefect server or the worker ended by itself."""
+
+
 class ServerStopped(Exception):
     """SIGTERM or SIGINT arrived: stop what was started."""
 
@@ -63,8 +67,10 @@ def start_server(host: str = "127.0.0.1", port: int = 4200, env: dict[str, str] 
                             start_new_session=True)
     try:
         wait_healthy(api_url(host, port), proc)
-    except BaseException:
+    except BaseException as exc:
         stop_processes([proc])
+        if isinstance(exc, ServerProcessExited) and log_file:
+            raise ServerProcessExited(f"{exc}: see {log_file}") from None
         raise
     return proc
 
@@ -126,9 +132,12 @@ def _raise_stopped(signum: int, frame) -> None:
 
 def serve(host: str, port: int, on_ready: Callable[[str], None], grace: float = STOP_GRACE_S) -> str:
     """`vimeflow server`: the Prefect server, the deployments and automations, and a process worker, until
-    SIGTERM or SIGINT (returns which) or until one of the two exits (raises). Whatever way it ends, both
-    process groups are stopped before this returns."""
+    SIGTERM or SIGINT (returns which) or until one of the two exits (raises ServerProcessExited). Whatever way
+    it ends, both process groups are stopped before this returns. Their output goes to
+    $PREFECT_HOME/vimeflow-server.log and vimeflow-worker.log."""
     check_exposure(host, dict(os.environ))
+    logs = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")).expanduser()
+    logs.mkdir(parents=True, exist_ok=True)
     api = api_url(host, port)
     os.environ["PREFECT_API_URL"] = api  # the in-process client of create_automations
     if os.environ.get(SERVER_AUTH_ENV):
@@ -138,15 +147,16 @@ def serve(host: str, port: int, on_ready: Callable[[str], None], grace: float = 
     previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGINT)}
     children: list[subprocess.Popen] = []
     try:
-        children.append(start_server(host, port, server_env))
+        children.append(start_server(host, port, server_env, log_file=logs / "vimeflow-server.log"))
         apply_deployments(env)
         create_automations()
-        children.append(start_worker(env))
+        children.append(start_worker(env, log_file=logs / "vimeflow-worker.log"))
         on_ready(ui_url(api))
         while all(p.poll() is None for p in children):
             time.sleep(0.5)
-        ended = next(p for p in children if p.poll() is not None)
-        raise RuntimeError(f"`{' '.join(ended.args[2:5])}` exited with code {ended.returncode}")
+        ended, log = next((p, log) for p, log in zip(children, ("server", "worker")) if p.poll() is not None)
+        raise ServerProcessExited(f"the Prefect {log} exited with code {ended.returncode}: see "
+                                  f"{logs / f'vimeflow-{log}.log'}")
     except ServerStopped as stop:
         return stop.signal_name
     finally:
@@ -161,7 +171,7 @@ def wait_healthy(api_url: str, proc: subprocess.Popen | None = None, timeout: fl
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited with code {proc.returncode}")
+            raise ServerProcessExited(f"prefect server exited with code {proc.returncode}")
         try:
             if httpx.get(f"{api_url}/health", timeout=2).status_code == 200:
                 return

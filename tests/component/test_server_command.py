@@ -109,3 +109,21 @@ def test_a_host_beyond_loopback_is_refused_without_auth(monkeypatch):
     assert "PREFECT_SERVER_API_AUTH_STRING" in result.output
     with pytest.raises(httpx.ConnectError):  # nothing was started
         httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2)
+
+
+def test_a_server_that_cannot_start_ends_the_command_naming_its_log(tmp_path):
+    import socket
+
+    with socket.socket() as taken:  # the port is in use (not by an HTTP server)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc, log = _start(tmp_path, taken.getsockname()[1])
+        try:
+            code = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 1
+    server_log = tmp_path / "prefect-home" / "vimeflow-server.log"
+    assert f"error: prefect server exited with code 1: see {server_log}" in log.read_text()
+    assert "is already in use" in server_log.read_text()
