@@ -23,7 +23,8 @@ def main(rank: int, world: int, port: int, model_dir: Path, out_file: Path) -> N
     from tests.megatron.helpers import fixed_rollout, tiny_config
     from vime_engine.train.megatron_backend import MegatronTrainBackend
 
-    backend = MegatronTrainBackend(tiny_config(model_dir, **{"tensor-model-parallel-size": world}))
+    backend = MegatronTrainBackend(tiny_config(model_dir, **{"tensor-model-parallel-size": world,
+                                                         "actor-num-gpus-per-node": world}))
     samples = fixed_rollout(backend.vocab_size)
     before = backend.log_probs(samples)
     metrics = backend.train_rollout(samples)
