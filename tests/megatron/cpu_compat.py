@@ -173,3 +173,9 @@ def _redirect_megatron_factories() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.") and getattr(module, "torch", None) is torch:
             module.torch = proxy
+
+
+def prepare_ray_worker() -> None:
+    """Ray's `worker_process_setup_hook` for the trainer group's rank processes in the CPU tests."""
+    import_megatron_bridge()
+    install_cpu_cuda_shim()
