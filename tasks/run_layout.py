@@ -8,6 +8,7 @@ saved into its checkpoints (it refuses to resume under different values of field
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import shutil
 import uuid
@@ -100,6 +101,15 @@ class EngineJob:
                   "hf-checkpoint": f"sha256:{self.model_manifest_hash}",
                   "prompt-data": f"sha256:{self.train_data.manifest_hash}", "save": "<save>"}
         return from_flat(values).math_hash()
+
+    @property
+    def evaluation_hash(self) -> str:
+        """The eval sets' contents and the eval settings: a chunk's results carry its evaluations, which the
+        math hash leaves out (they do not change the weights)."""
+        settings = {k: v for k, v in self.flags.items()
+                    if k.replace("_", "-").startswith(("eval-", "n-samples-per-eval-prompt"))}
+        sets = [(ref.name, ref.manifest_hash, ref.file) for ref in self.eval_data]
+        return hashlib.sha256(json.dumps([settings, sets], sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _data_file(tree: Path, wanted: str | None) -> Path:

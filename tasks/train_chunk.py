@@ -42,13 +42,15 @@ class ChunkOutcome:
 
 
 def chunk_cache_key(context, parameters: dict[str, Any]) -> str:
-    """sha256 of the input checkpoint's manifest hash, the run's config hash, the rollout range and the run's
-    place in storage (two runs of one config under different names train separately)."""
+    """sha256 of the input checkpoint's manifest hash, the run's config hash, its evaluation settings and sets
+    (a chunk's result carries its evaluations), the rollout range and the run's place in storage (two runs of one
+    config under different names train separately)."""
     job: EngineJob = parameters["job"]
     previous: ChunkOutcome | None = parameters["previous"]
     input_manifest = previous.manifest_sha256 if previous is not None else f"model:{job.model_manifest_hash}"
     place = f"{parameters['layout'].storage_root}/{parameters['layout'].run_prefix}"
-    text = f"{input_manifest}\n{job.identity_hash}\n{parameters['start']}+{parameters['count']}\n{place}"
+    text = (f"{input_manifest}\n{job.identity_hash}\n{job.evaluation_hash}\n"
+            f"{parameters['start']}+{parameters['count']}\n{place}")
     return "train-chunk-" + hashlib.sha256(text.encode()).hexdigest()
 
 
