@@ -45,8 +45,8 @@ class _Hash(Protocol):
     def hexdigest(self) -> str: ...
 
 
-class FileHashes:
-    """Both checksums of one stream of bytes, fed in order: what a write (or a first read) records."""
+class _FileHashes:
+    """Both checksums of one stream of bytes, fed in order (a file read once for its manifest entry)."""
 
     def __init__(self) -> None:
         self.sha256 = hashlib.sha256()
@@ -184,7 +184,7 @@ def digest_file(path: Path, part_size: int, part_md5s: bool = True) -> FileDiges
     if not part_md5s:
         entry = file_entry(Path(path))
         return FileDigest(entry.size, entry.sha256, part_size, (), entry.xxh3_128)
-    hashes = FileHashes()
+    hashes = _FileHashes()
     md5s: list[str] = []
     with open(path, "rb") as f:
         while True:
@@ -216,7 +216,7 @@ def sha256_file(path: Path) -> str:
 
 def file_entry(path: Path) -> FileEntry:
     """Size and both checksums of a file, in one read."""
-    hashes = FileHashes()
+    hashes = _FileHashes()
     with open(path, "rb") as f:
         while chunk := f.read(_READ_CHUNK):
             hashes.update(chunk)
