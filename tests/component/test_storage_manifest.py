@@ -64,7 +64,8 @@ def test_classification_by_status_and_code():
     e = classify("put", "obs://b/k", status=403, code="AccessDenied", message="key AK123456 refused",
                  secrets=["AK123456"])
     assert type(e) is PermanentStorageError and "AK123456" not in str(e)
-    assert str(e) == "put obs://b/k failed (status=403 code=AccessDenied): key *** refused"
+    assert str(e) == ("put obs://b/k failed (status=403 code=AccessDenied): key *** refused "
+                      "(check the access key, its secret and the bucket policy)")
 
 
 def test_retries_only_transient_errors_with_bounded_attempts():
