@@ -276,7 +276,10 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> EngineConfig:
-        _check_combinations(self)
+        # Imported here: the checks read this module's types and errors, so it must be loaded first.
+        from vime_engine.config_checks import check_combinations
+
+        check_combinations(self)
         return self
 
     # -- derived values -------------------------------------------------------------------------------------
@@ -352,147 +355,6 @@ class EngineConfig(BaseModel):
         values = self.flat()
         values.update(flat_values)
         return from_flat(values)
-
-
-def _check_combinations(cfg: EngineConfig) -> None:
-    r, t, a = cfg.rollout, cfg.train, cfg.algorithm
-    per_rollout = cfg.samples_per_rollout
-    if t.global_batch_size is not None and t.num_steps_per_rollout is not None:
-        if t.global_batch_size * t.num_steps_per_rollout != per_rollout:
-            raise ConfigError(
-                f"--global-batch-size {t.global_batch_size} × --num-steps-per-rollout {t.num_steps_per_rollout} "
-                f"must equal --rollout-batch-size × --n-samples-per-prompt = {per_rollout}; give only one of them"
-            )
-    gbs = cfg.global_batch_size
-    if gbs == 0 or per_rollout % gbs:
-        divisors = [d for d in range(1, per_rollout + 1) if per_rollout % d == 0]
-        raise ConfigError(
-            f"--global-batch-size {gbs} does not divide --rollout-batch-size × --n-samples-per-prompt = "
-            f"{r.rollout_batch_size} × {r.n_samples_per_prompt} = {per_rollout}; use one of {divisors}"
-        )
-    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
-        raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (a token budget per micro-batch)")
-    if a.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline") and r.n_samples_per_prompt < 2:
-        raise ConfigError(
-            f"--advantage-estimator {a.advantage_estimator} compares samples of one prompt: "
-            "set --n-samples-per-prompt to 2 or more"
-        )
-    _check_kl_flags(a)
-    if cfg.placement.async_rollout and cfg.placement.colocate:
-        raise ConfigError("--async-rollout needs the rollout engine on its own actor: drop --colocate")
-    if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
-        raise ConfigError(
-            f"--over-sampling-batch-size {r.over_sampling_batch_size} must be >= --rollout-batch-size "
-            f"{r.rollout_batch_size}"
-        )
-    if r.partial_rollout and (r.over_sampling_batch_size or 0) <= r.rollout_batch_size:
-        raise ConfigError(
-            "--partial-rollout cuts off the groups still generating once --rollout-batch-size groups are done, "
-            "so it needs more in flight: set --over-sampling-batch-size larger than --rollout-batch-size "
-            f"{r.rollout_batch_size}"
-        )
-    if r.partial_rollout and cfg.placement.async_rollout:
-        raise ConfigError(
-            "--partial-rollout watches each round from the driver to cut it off when the batch is full, while "
-            "--async-rollout generates the next rollout unwatched during training: use one of them"
-        )
-    if r.vllm_max_model_len is not None and r.rollout_max_response_len >= r.vllm_max_model_len:
-        raise ConfigError(
-            f"--rollout-max-response-len {r.rollout_max_response_len} leaves no room for the prompt within "
-            f"--vllm-max-model-len {r.vllm_max_model_len}"
-        )
-    if len(cfg.eval.eval_prompt_data or []) % 2:
-        raise ConfigError("--eval-prompt-data takes pairs: NAME PATH [NAME PATH ...]")
-    if cfg.eval.eval_interval is not None and not cfg.eval.eval_prompt_data:
-        raise ConfigError("--eval-interval needs --eval-prompt-data NAME PATH")
-    _check_rm_url(cfg)
-    _check_tracking(cfg.logging)
-    if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None:
-        raise ConfigError("--save-interval needs --save DIR")
-    _check_parallel_layout(cfg)
-
-
-def _check_parallel_layout(cfg: EngineConfig) -> None:
-    """The trainer ranks must split into the model-parallel layout and the data-parallel ranks into the batch."""
-    p, t = cfg.placement, cfg.train
-    world = cfg.trainer_world_size
-    ranks = f"--actor-num-nodes {p.actor_num_nodes} × --actor-num-gpus-per-node {p.actor_num_gpus_per_node} = {world}"
-    if t.train_backend == "torch":
-        parallel = [f"--{f} {cfg.megatron[f]}" for f in _PARALLEL_FLAGS if cfg.megatron.get(f, 1) not in (1, None)]
-        if parallel:
-            raise ConfigError(
-                f"{', '.join(parallel)} need --train-backend megatron (the torch backend is data parallel only)"
-            )
-    model_parallel = cfg.model_parallel_size
-    if world % model_parallel:
-        raise ConfigError(
-            f"{ranks} trainer ranks do not split into tensor × pipeline × context parallel groups of "
-            f"{model_parallel}: make the rank count a multiple of {model_parallel}"
-        )
-    dp = world // model_parallel
-    if cfg.global_batch_size % dp:
-        raise ConfigError(
-            f"--global-batch-size {cfg.global_batch_size} does not split over {dp} data-parallel ranks ({ranks} "
-            f"trainer ranks / model-parallel size {model_parallel}): use a multiple of {dp}"
-        )
-    if p.colocate and world > 1:
-        raise ConfigError(
-            f"--colocate runs one trainer rank beside the rollout engine, but {ranks}: drop --colocate to run "
-            "the trainer group and the engine on their own devices"
-        )
-    r = cfg.rollout
-    if r.rollout_num_gpus is not None and r.rollout_num_gpus != r.rollout_num_gpus_per_engine:
-        raise ConfigError(
-            f"--rollout-num-gpus {r.rollout_num_gpus} asks for {r.rollout_num_gpus / r.rollout_num_gpus_per_engine:g} "
-            f"engines of --rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine}; a run has one vLLM engine "
-            "today: set --rollout-num-gpus equal to --rollout-num-gpus-per-engine, or leave it out"
-        )
-
-
-def _check_tracking(lg: LoggingConfig) -> None:
-    for tracker, used in (("wandb", lg.use_wandb), ("mlflow", lg.use_mlflow)):
-        unused = [_flag(k) for k, v in lg if k.startswith(f"{tracker}_") and v is not None and not used]
-        if unused:
-            raise ConfigError(f"{', '.join(unused)} take effect only with --use-{tracker}: add it, or drop them")
-    if lg.mlflow_run_id is not None and lg.mlflow_experiment_name is not None:
-        raise ConfigError(
-            "--mlflow-experiment-name names where a new run is created, but --mlflow-run-id continues a run that "
-            "has its experiment already: give one of them"
-        )
-
-
-def _check_rm_url(cfg: EngineConfig) -> None:
-    # A custom reward takes precedence over --rm-type (as in vime), so then only --eval-rm-type can use the URL.
-    train_remote = cfg.reward.rm_type == "remote_rm" and cfg.reward.custom_rm_path is None
-    remote = train_remote or cfg.eval.eval_rm_type == "remote_rm"
-    url = cfg.reward.rm_url
-    if remote and not url:
-        raise ConfigError("--rm-type remote_rm (or --eval-rm-type remote_rm) needs --rm-url http://HOST:PORT/")
-    if url and not remote:
-        raise ConfigError(
-            f"--rm-url {url} is only read by remote_rm: set --rm-type remote_rm (without --custom-rm-path) or "
-            "--eval-rm-type remote_rm, or drop --rm-url"
-        )
-    if url and not url.startswith(("http://", "https://")):
-        raise ConfigError(f"--rm-url {url!r}: expected an http:// or https:// URL, e.g. http://127.0.0.1:8000/")
-
-
-# Estimators that fold --kl-coef into the reward (algorithms/advantages.py); the others never read it.
-REWARD_KL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
-
-
-def _check_kl_flags(a: AlgorithmConfig) -> None:
-    if a.kl_coef != 0 and a.advantage_estimator not in REWARD_KL_ESTIMATORS:
-        raise ConfigError(
-            f"--kl-coef {a.kl_coef} is a KL penalty in the reward, which --advantage-estimator "
-            f"{a.advantage_estimator} does not use: for a KL term in the loss use --use-kl-loss --kl-loss-coef "
-            f"{a.kl_coef}, or use --advantage-estimator {' or '.join(REWARD_KL_ESTIMATORS)}; else drop --kl-coef"
-        )
-    if a.kl_loss_coef != 0 and not a.use_kl_loss:
-        raise ConfigError(
-            f"--kl-loss-coef {a.kl_loss_coef} is read only with --use-kl-loss: add --use-kl-loss, or drop "
-            "--kl-loss-coef"
-        )
 
 
 # -- building from YAML and flags -------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Every flag acts: each EngineConfig field (and Megatron pass-through flag) is read by code outside config.py,
-or is refused when set, or only feeds a derived value that is read. A field nobody reads is a flag that tells a
-user their setting took effect when it did not.
+"""Every flag acts: each EngineConfig field (and Megatron pass-through flag) is read by code outside config.py and
+its rules (config_checks.py), or is refused when set, or only feeds a derived value that is read. A field nobody
+reads is a flag that tells a user their setting took effect when it did not.
 
 Reads are found in the source of vime_engine/, tasks/ and flows/ (config.py excluded): `<section>.<field>`
 (`cfg.train.lr`), `<alias>.<field>` where `<alias> = <something>.<section>` (`t = cfg.train; t.lr`, `e, r = cfg.eval, cfg.rollout`), the field's
@@ -28,7 +28,8 @@ REFUSED = {"rollout_num_gpus": (["--rollout-num-gpus", "2"], "one vLLM engine a 
 
 def _source() -> str:
     files = [p for d in ("vime_engine", "tasks", "flows") for p in (REPO / d).rglob("*.py")]
-    return "\n".join(p.read_text() for p in files if p != REPO / "vime_engine" / "config.py")
+    config = {REPO / "vime_engine" / "config.py", REPO / "vime_engine" / "config_checks.py"}
+    return "\n".join(p.read_text() for p in files if p not in config)
 
 
 SOURCE = _source()
