@@ -30,9 +30,10 @@ from vime_engine.sample import Sample
 
 def _samples(vocab: int) -> list[Sample]:
     rng = random.Random(1)
-    return [Sample(i // 4, "", "", [rng.randrange(10, vocab) for _ in range(12)],
-                   [rng.randrange(10, vocab) for _ in range(rng.randrange(3, 9))], loss_mask=[1] * 9, reward=i % 2)
-            for i in range(8)]
+    responses = [[rng.randrange(10, vocab) for _ in range(rng.randrange(3, 9))] for _ in range(8)]
+    return [Sample(i // 4, "", "", [rng.randrange(10, vocab) for _ in range(12)], response,
+                   loss_mask=[1] * len(response), reward=i % 2)
+            for i, response in enumerate(responses)]
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,8 +61,6 @@ def check_one_rank_per_node_trains_in_step(model: Path) -> None:
 
         samples = _samples(int(ray.get(group.leader.__ray_call__.remote(
             lambda self: self.backend.model.config.vocab_size))))
-        for s in samples:
-            s.loss_mask = [1] * s.response_length
         log_probs = group.log_probs(samples)
         offset = 0
         for s in samples:
