@@ -2,9 +2,10 @@
 its rules (config_checks.py), or is refused when set, or only feeds a derived value that is read. A field nobody
 reads is a flag that tells a user their setting took effect when it did not.
 
-Reads are found in the source of vime_engine/, tasks/ and flows/ (config.py excluded): `<section>.<field>`
-(`cfg.train.lr`), `<alias>.<field>` where `<alias> = <something>.<section>` (`t = cfg.train; t.lr`, `e, r = cfg.eval, cfg.rollout`), the field's
-name quoted (flat dicts, `flags.get("…")`), and for Megatron flags the quoted flag name.
+Reads are found in the source of vime_engine/, tasks/ and flows/ (those two files excluded): `<section>.<field>`
+(`cfg.train.lr`), `<alias>.<field>` where `<alias> = <something>.<section>` (`t = cfg.train; t.lr`,
+`e, r = cfg.eval, cfg.rollout`), the field's name quoted (flat dicts, `flags.get("…")`), and for Megatron flags
+the quoted flag name.
 """
 
 from __future__ import annotations
