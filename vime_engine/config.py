@@ -53,7 +53,22 @@ class RolloutConfig(_Section):
     rollout_top_p: float = Field(1.0, gt=0, le=1)
     rollout_top_k: int = Field(-1, description="-1 disables top-k")
     over_sampling_batch_size: int | None = Field(None, ge=1, description="prompts generated per draw when filtering")
-    dynamic_sampling_filter_path: str | None = Field(None, description="module:function or file.py:function")
+    dynamic_sampling_filter_path: str | None = Field(
+        None, description="keep a group? `(args, samples) -> bool | DynamicFilterOutput` (vime) or `(group) -> bool`"
+    )
+    # vime's rollout hooks (module:function or file.py:function; vime_engine/vime_hooks.py calls them).
+    buffer_filter_path: str | None = Field(
+        None, description="`(args, rollout_id, buffer, num_samples) -> groups`: which cut-off groups resume first"
+    )
+    rollout_sample_filter_path: str | None = Field(
+        None, description="`(args, groups) -> None`: sets sample.remove_sample to keep a sample out of the loss"
+    )
+    rollout_all_samples_process_path: str | None = Field(
+        None, description="`(args, all_groups, data_source) -> None`: sees every group, filtered ones too"
+    )
+    rollout_function_path: str | None = Field(
+        None, description="vime's whole-rollout function; refused: our rollout runs vLLM in-process"
+    )
     partial_rollout: bool = Field(
         False, description="stop generating once the batch is full; unfinished groups continue next rollout"
     )
@@ -103,6 +118,10 @@ class RewardConfig(_Section):
     rm_type: str = Field("math", description="math | gsm8k | dapo | deepscaler | code | remote_rm")
     custom_rm_path: str | None = Field(None, description="module:function or file.py:function")
     rm_url: str | None = Field(None, description="reward server for remote_rm (--rm-type or --eval-rm-type)")
+    group_rm: bool = Field(False, description="call --custom-rm-path once per group: `async (args, samples)`")
+    custom_reward_post_process_path: str | None = Field(
+        None, description="`(args, samples) -> (raw_rewards, rewards)`: replaces the group normalisation"
+    )
 
 
 AdvantageEstimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
@@ -127,6 +146,9 @@ class AlgorithmConfig(_Section):
     gamma: float = Field(1.0, ge=0, le=1)
     lambd: float = Field(1.0, ge=0, le=1)
     value_clip: float = Field(0.2, gt=0)
+    custom_advantage_function_path: str | None = Field(
+        None, description="`(args, rollout_data) -> None`: sets rollout_data['advantages'] and ['returns']"
+    )
 
 
 class TrainConfig(_Section):
@@ -184,6 +206,9 @@ class EvalConfig(_Section):
     eval_input_key: str | None = None
     eval_label_key: str | None = None
     eval_rm_type: str | None = None
+    eval_function_path: str | None = Field(
+        None, description="vime's whole eval-rollout function; refused: our eval runs vLLM in-process"
+    )
 
 
 class LoggingConfig(_Section):
@@ -205,6 +230,9 @@ class LoggingConfig(_Section):
     )
     mlflow_experiment_name: str | None = Field(None, description="where a new run is created; default: vimeflow")
     mlflow_run_id: str | None = Field(None, description="an existing MLflow run to continue; default: kept in --save")
+    custom_rollout_log_function_path: str | None = Field(
+        None, description="`(rollout_id, args, samples, extra_metrics, rollout_time) -> bool`: True skips ours"
+    )
 
 
 # Megatron-Core flags: accepted so vime scripts carry over, handed to the Megatron backend untouched.
@@ -245,6 +273,9 @@ SECTIONS: dict[str, type[_Section]] = {
 # and the checkpoint itself refuses a dataset of another size or weights of another shape.
 NON_MATH_FIELDS = {
     "hf_checkpoint", "ref_load", "prompt_data", "custom_rm_path", "rm_url", "dynamic_sampling_filter_path",
+    "buffer_filter_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
+    "custom_reward_post_process_path", "custom_advantage_function_path", "rollout_function_path",
+    "eval_function_path",
     "num_rollout", "start_rollout_id", "save", "save_interval", "load", "keep_last", "save_hf",
     *LoggingConfig.model_fields, "ray_address", "balance_data",
     "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",

@@ -63,6 +63,7 @@ def check_combinations(cfg: EngineConfig) -> None:
     if cfg.eval.eval_interval is not None and not cfg.eval.eval_prompt_data:
         raise ConfigError("--eval-interval needs --eval-prompt-data NAME PATH")
     _check_rm_url(cfg)
+    _check_vime_hooks(cfg)
     _check_tracking(cfg.logging)
     if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None:
         raise ConfigError("--save-interval needs --save DIR")
@@ -103,6 +104,34 @@ def _check_parallel_layout(cfg: EngineConfig) -> None:
             f"--rollout-num-gpus {r.rollout_num_gpus} asks for {r.rollout_num_gpus / r.rollout_num_gpus_per_engine:g} "
             f"engines of --rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine}; a run has one vLLM engine "
             "today: set --rollout-num-gpus equal to --rollout-num-gpus-per-engine, or leave it out"
+        )
+
+
+# vime's own whole-rollout functions; naming one of them asks for what our engine does anyway.
+VIME_ROLLOUT_FUNCTIONS = (
+    "slime.rollout.sglang_rollout.generate_rollout", "slime.rollout.vllm_rollout.generate_rollout",
+)
+
+
+def _check_vime_hooks(cfg: EngineConfig) -> None:
+    """vime's hooks that cannot act here are refused, each with the reason (the others: vime_engine/vime_hooks.py)."""
+    for flag, value in (("--rollout-function-path", cfg.rollout.rollout_function_path),
+                        ("--eval-function-path", cfg.eval.eval_function_path)):
+        if value is not None and value not in VIME_ROLLOUT_FUNCTIONS:
+            raise ConfigError(
+                f"{flag} {value}: vime's rollout functions drive its SGLang / vLLM servers over HTTP through its "
+                "router and data source, which this engine does not run (vLLM runs in-process here). Keep the "
+                "default rollout and move per-sample logic to --custom-generate-function-path / --custom-rm-path"
+            )
+    if cfg.reward.group_rm and not cfg.reward.custom_rm_path:
+        raise ConfigError(
+            "--group-rm calls --custom-rm-path once per group; the built-in rewards already grade a group at "
+            "once: give --custom-rm-path FILE.py:FUNCTION written as `async (args, samples) -> list[float]`"
+        )
+    if cfg.rollout.buffer_filter_path and not cfg.rollout.partial_rollout:
+        raise ConfigError(
+            "--buffer-filter-path picks which cut-off groups resume, and groups are cut off only with "
+            "--partial-rollout: add it (with --over-sampling-batch-size), or drop --buffer-filter-path"
         )
 
 

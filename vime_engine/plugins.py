@@ -1,7 +1,9 @@
-"""Loading a user's function from a flag value: `package.module:function` or `path/to/file.py:function`."""
+"""Loading a user's function from a flag value: `package.module:function` or `path/to/file.py:function`,
+and calling it whether it is a plain function or a coroutine function (vime's rewards are `async def`)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib
 import importlib.util
@@ -9,18 +11,28 @@ import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 _FORMS = "`package.module:function` or `path/to/file.py:function`"
 
 
-def load_function(spec: str, flag: str, arg_names: tuple[str, ...], wanted: str) -> Callable:
+def load_function(
+    spec: str, flag: str, arg_names: tuple[str, ...], wanted: str, allow_async: bool = False
+) -> Callable:
     """Import the function named by `spec` and check it can be called with `arg_names` positionally.
 
     `spec` is `package.module:function` (imported from `sys.path`) or `path/to/file.py:function`
     (a file, loaded under a module name derived from its absolute path so two files with the
     same name do not collide). Every failure is a ValueError naming `flag` and the fix; `wanted`
-    describes the expected signature, e.g. "`(response: str, label: str) -> float`".
+    describes the expected signature, e.g. "`(response: str, label: str) -> float`". A coroutine function
+    is refused unless `allow_async` (its caller then runs it with `call_plugin`).
     """
+    fn = import_function(spec, flag, wanted)
+    return check_callable(fn, spec, flag, arg_names, wanted, allow_async)
+
+
+def import_function(spec: str, flag: str, wanted: str) -> Callable:
+    """The function named by `spec`, imported but not yet checked: for hooks whose form its signature decides."""
     target, sep, function_name = spec.rpartition(":")
     if not sep or not target or not function_name.isidentifier():
         raise ValueError(f"{flag} {spec!r}: expected {_FORMS}")
@@ -34,8 +46,42 @@ def load_function(spec: str, flag: str, arg_names: tuple[str, ...], wanted: str)
             f"{flag} {spec!r}: {target} has no function {function_name!r}; "
             f"define `def {function_name}{wanted.strip('`')}` there"
         )
-    _check_signature(fn, spec, flag, arg_names, wanted)
     return fn
+
+
+def parameter_names(fn: Callable, required_only: bool = False) -> list[str]:
+    """The names of the parameters `fn` takes positionally (only those without a default if `required_only`),
+    in order; [] when its signature cannot be read."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters
+            if p.kind in positional and not (required_only and p.default is not inspect.Parameter.empty)]
+
+
+def call_plugin(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)`, awaited when it returns an awaitable: each call runs its own event loop."""
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        return asyncio.run(_awaited(result))
+    return result
+
+
+def gather_plugin(fn: Callable, calls: list[tuple[Any, ...]]) -> list[Any]:
+    """`fn(*c)` for every `c`: concurrently on one event loop when `fn` is a coroutine function."""
+    if not inspect.iscoroutinefunction(fn):
+        return [call_plugin(fn, *c) for c in calls]
+
+    async def run_all() -> list[Any]:
+        return list(await asyncio.gather(*(fn(*c) for c in calls)))
+
+    return asyncio.run(run_all())
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def _module_from_file(path: Path, spec: str, flag: str):
@@ -68,10 +114,13 @@ def _module_from_import(module_name: str, spec: str, flag: str):
         raise ValueError(f"{flag} {spec!r}: importing {module_name!r} failed: {exc!r}; fix the module") from exc
 
 
-def _check_signature(fn: object, spec: str, flag: str, arg_names: tuple[str, ...], wanted: str) -> None:
+def check_callable(fn: Any, spec: str, flag: str, arg_names: tuple[str, ...], wanted: str,
+                   allow_async: bool = False) -> Callable:
+    """`fn` (from `import_function`) checked to be callable with `arg_names` positionally; a ValueError naming
+    `flag` otherwise."""
     if not callable(fn):
         raise ValueError(f"{flag} {spec!r}: {fn!r} is not callable; it must be a function {wanted}")
-    if inspect.iscoroutinefunction(fn):
+    if inspect.iscoroutinefunction(fn) and not allow_async:
         raise ValueError(f"{flag} {spec!r}: the function is async; it must be a plain function {wanted}")
     try:
         inspect.signature(fn).bind(*arg_names)
@@ -81,4 +130,5 @@ def _check_signature(fn: object, spec: str, flag: str, arg_names: tuple[str, ...
             f"its signature must be {wanted}"
         ) from exc
     except ValueError:
-        return  # builtins without an introspectable signature: trust the user
+        pass  # builtins without an introspectable signature: trust the user
+    return fn

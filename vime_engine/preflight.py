@@ -118,10 +118,10 @@ def _tokenizer(model_dir: str) -> Any:
 
 
 def _check_plugins(cfg: EngineConfig) -> None:
-    """The reward types exist, and the user's functions import: a typo fails here, not in a worker."""
-    from vime_engine.rewards import BUILTIN_REWARDS, REMOTE_RM
-    from vime_engine.rewards.custom import load_custom_reward
-    from vime_engine.rollout.dynamic_sampling import load_group_filter
+    """The reward types exist, and the user's functions (the reward and vime's hooks) import with the signatures
+    their flags call them with: a typo fails here, not in a worker."""
+    from vime_engine.rewards import BUILTIN_REWARDS, REMOTE_RM, run_reward
+    from vime_engine.vime_hooks import load_rollout_hooks, load_trainer_hooks
 
     known = [*BUILTIN_REWARDS, REMOTE_RM]
     train_rm = None if cfg.reward.custom_rm_path else cfg.reward.rm_type  # a custom reward takes precedence
@@ -132,9 +132,9 @@ def _check_plugins(cfg: EngineConfig) -> None:
 
     try:
         if cfg.reward.custom_rm_path:
-            load_custom_reward(cfg.reward.custom_rm_path)
-        if cfg.rollout.over_sampling_batch_size and cfg.rollout.dynamic_sampling_filter_path:
-            load_group_filter(cfg.rollout.dynamic_sampling_filter_path)
+            run_reward(cfg)
+        load_rollout_hooks(cfg)
+        load_trainer_hooks(cfg)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
 

@@ -35,6 +35,9 @@ class Sample:
     status: SampleStatus = SampleStatus.COMPLETED
     version_segments: list[tuple[int, int]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    remove_sample: bool = False  # vime's --rollout-sample-filter-path sets it: the sample then trains no token
+
+    Status = SampleStatus  # vime's plugins compare `sample.status == Sample.Status.COMPLETED`
 
     @property
     def weight_version(self) -> int:
@@ -52,3 +55,21 @@ class Sample:
     @property
     def total_length(self) -> int:
         return len(self.prompt_tokens) + len(self.response_tokens)
+
+    # -- vime's names, read-only, for plugins written against vime's Sample -----------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and response tokens, as vime's `Sample.tokens`."""
+        return self.prompt_tokens + self.response_tokens
+
+    @property
+    def effective_response_length(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def weight_versions(self) -> list[str]:
+        return [str(version) for version, _ in self.version_segments]
+
+    def get_reward_value(self, args: Any) -> float:
+        key = getattr(args, "reward_key", None)
+        return self.reward if not key else self.reward[key]

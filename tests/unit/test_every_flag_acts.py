@@ -26,6 +26,12 @@ DERIVED = {"num_steps_per_rollout": "global_batch_size", "global_batch_size": "g
 # Fields that cannot act yet and are refused when set (flag value that must raise ConfigError, and why).
 REFUSED = {"rollout_num_gpus": (["--rollout-num-gpus", "2"], "one vLLM engine a run until the rollout group")}
 
+# vime's whole-rollout functions drive vime's own HTTP rollout servers, which this engine does not run.
+REFUSED.update({
+    "rollout_function_path": (["--rollout-function-path", "mine.py:generate_rollout"], "needs vime's servers"),
+    "eval_function_path": (["--eval-function-path", "mine.py:generate_rollout"], "needs vime's servers"),
+})
+
 
 def _source() -> str:
     files = [p for d in ("vime_engine", "tasks", "flows") for p in (REPO / d).rglob("*.py")]

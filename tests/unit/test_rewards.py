@@ -203,7 +203,7 @@ def test_custom_reward_errors_name_the_flag_and_the_fix(tmp_path):
         f"{tmp_path}/missing.py:fn": r"file '.*missing.py' does not exist",
         f"{file}:absent": r"has no function 'absent'; define `def absent\(response: str, label: str\) -> float`",
         f"{file}:one_arg": r"cannot be called with \(response, label\)",
-        f"{file}:asynchronous": r"the function is async",
+        f"{file}:asynchronous": r"is in vime's form `async \(args, sample\) -> float`; this use grades text alone",
         f"{file}:NOT_A_FUNCTION": r"3 is not callable",
         f"{broken}:fn": r"executing '.*broken.py' failed: RuntimeError\('boom'\)",
         "no_such_package_xyz.rewards:fn": r"cannot import module 'no_such_package_xyz.rewards'",

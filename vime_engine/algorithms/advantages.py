@@ -128,16 +128,18 @@ def reinforce_plus_plus_baseline_advantages(
     loss_mask: Tensor,
     group_size: int,
     kl_coef: float,
+    centre: bool = True,
 ) -> Tensor:
     """REINFORCE++ with a group baseline: A_t = (r_i - mean of r over i's group) - kl_coef * kl_t.
 
     The centred sample reward is broadcast to every token of the sample, the KL penalty is subtracted
     per token (on trained tokens only), and the result is whitened over the trained tokens of the batch.
+    `centre=False`: the rewards come centred already (a reward post-process), r_i is used as it is.
     Returns [N].
     """
     check_flat(kl, response_lengths, "kl")
     groups = _grouped(rewards, group_size)
-    centred = (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)
+    centred = (groups - groups.mean(dim=1, keepdim=True)).reshape(-1) if centre else rewards
     per_token = expand_to_tokens(centred.to(kl.dtype), response_lengths)
     per_token = per_token - kl_coef * kl * (loss_mask > 0).to(kl.dtype)
     return masked_whiten(per_token, loss_mask)
@@ -194,18 +196,22 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     normalize_advantages: bool = False,
+    rewards_normalized: bool = False,
 ) -> AdvantageResult:
     """Token-level advantages [N] for `--advantage-estimator` = one of ADVANTAGE_ESTIMATORS.
 
     grpo / gspo: group-normalised sample advantage broadcast to tokens (they differ only in the loss).
     reinforce_plus_plus / reinforce_plus_plus_baseline: need `inputs.kl`; ppo: needs `inputs.values` and
     also returns the critic's returns. `normalize_advantages` (`--normalize-advantages`) whitens the final
-    advantages over the loss mask; returns are never whitened.
+    advantages over the loss mask; returns are never whitened. `rewards_normalized`: the rewards were already
+    normalised within their groups (by `--custom-reward-post-process-path`, as vime does it), so grpo / gspo
+    broadcast them as they are and reinforce_plus_plus_baseline does not centre them again.
     """
     check_flat(inputs.loss_mask, inputs.response_lengths, "loss_mask")
     returns = None
     if estimator in ("grpo", "gspo"):
-        per_sample = group_normalized_advantages(inputs.rewards, inputs.group_size, normalize_std)
+        per_sample = (inputs.rewards if rewards_normalized
+                      else group_normalized_advantages(inputs.rewards, inputs.group_size, normalize_std))
         advantages = expand_to_tokens(per_sample, inputs.response_lengths)
     elif estimator == "reinforce_plus_plus":
         advantages = reinforce_plus_plus_advantages(
@@ -215,7 +221,7 @@ def compute_advantages(
     elif estimator == "reinforce_plus_plus_baseline":
         advantages = reinforce_plus_plus_baseline_advantages(
             inputs.rewards, _required(inputs.kl, "kl", estimator), inputs.response_lengths,
-            inputs.loss_mask, inputs.group_size, kl_coef,
+            inputs.loss_mask, inputs.group_size, kl_coef, centre=not rewards_normalized,
         )
     elif estimator == "ppo":
         advantages, returns = gae_advantages(

@@ -1,17 +1,20 @@
 """Reward functions: `(response: str, label: str) -> float`, chosen by `--rm-type` or loaded
-from `--custom-rm-path`; `--rm-type remote_rm` asks a reward server over HTTP instead (`remote.py`)."""
+from `--custom-rm-path` (which also takes vime's `async (args, sample)` form, see `custom.py`); `--rm-type
+remote_rm` asks a reward server over HTTP instead (`remote.py`)."""
 
 from __future__ import annotations
 
+from vime_engine.config import EngineConfig
 from vime_engine.rewards.batch import BatchRewardFn, PerSampleReward, RewardInput
 from vime_engine.rewards.boxed import last_boxed_content
 from vime_engine.rewards.code import code_reward, extract_code
-from vime_engine.rewards.custom import RewardFn, load_custom_reward
+from vime_engine.rewards.custom import RewardFn, load_custom_reward, load_sample_reward
 from vime_engine.rewards.dapo import answer_line, dapo_reward
 from vime_engine.rewards.deepscaler import THINK_END, deepscaler_reward
 from vime_engine.rewards.gsm8k import final_number, gsm8k_reward
 from vime_engine.rewards.math import math_reward
 from vime_engine.rewards.remote import RemoteReward, RemoteRewardError
+from vime_engine.vime_args import vime_args
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math": math_reward,
@@ -47,6 +50,15 @@ def get_batch_reward(rm_type: str, custom_rm_path: str | None = None, rm_url: st
     return PerSampleReward(get_reward_fn(rm_type, custom_rm_path))
 
 
+def run_reward(cfg: EngineConfig) -> BatchRewardFn:
+    """The training reward of a run (an EngineConfig): `--custom-rm-path` in either form (vime's gets `args`
+    built from `cfg`, and with `--group-rm` one call per group), else `--rm-type`."""
+    r = cfg.reward
+    if r.custom_rm_path:
+        return load_sample_reward(r.custom_rm_path, vime_args(cfg), r.group_rm)
+    return get_batch_reward(r.rm_type, rm_url=r.rm_url)
+
+
 def extract_answer(rm_type: str, response: str) -> str | None:
     """The answer a built-in reward grades, for reports; None when it finds none (or for custom rewards)."""
     if rm_type == "code":
@@ -67,5 +79,5 @@ def extract_answer(rm_type: str, response: str) -> str | None:
 
 __all__ = [
     "BUILTIN_REWARDS", "REMOTE_RM", "BatchRewardFn", "RemoteReward", "RemoteRewardError", "RewardFn", "RewardInput",
-    "extract_answer", "get_batch_reward", "get_reward_fn",
+    "extract_answer", "get_batch_reward", "get_reward_fn", "run_reward",
 ]

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-from vime_engine.rewards.custom import RewardFn
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -19,6 +18,7 @@ class RewardInput:
     prompt: str
     response: str
     label: str
+    sample: Any = None  # the Sample itself, for vime's `(args, sample)` rewards (--custom-rm-path)
 
 
 BatchRewardFn = Callable[[Sequence[RewardInput]], list[float]]
@@ -28,7 +28,7 @@ BatchRewardFn = Callable[[Sequence[RewardInput]], list[float]]
 class PerSampleReward:
     """A per-sample reward function applied to every sample of a batch."""
 
-    fn: RewardFn
+    fn: Callable[[str, str], float]  # (response, label) -> reward
 
     def __call__(self, items: Sequence[RewardInput]) -> list[float]:
         return [float(self.fn(item.response, item.label)) for item in items]

@@ -2,8 +2,11 @@
 
 With `--over-sampling-batch-size M`, prompts are drawn M at a time; each group (the n samples of one prompt)
 passes through the filter (`--dynamic-sampling-filter-path`, default: rewards not all equal, since a group
-of equal rewards has zero GRPO advantage). Kept groups fill the rollout batch; kept groups beyond it are
-carried over to the next rollout, and that carry-over is part of the checkpoint.
+of equal rewards has zero GRPO advantage). A filter given without over-sampling applies as well, drawing
+`--rollout-batch-size` prompts at a time, as in vime. The filter is vime's `(args, samples) -> bool |
+DynamicFilterOutput` (an object with `keep` and `reason`; the reason names the drop in the metrics) or ours,
+`(group) -> bool`. Kept groups fill the rollout batch; kept groups beyond it are carried over to the next
+rollout, and that carry-over is part of the checkpoint.
 
 With `--partial-rollout` a round is watched as it generates: groups are filtered as they finish, and once the
 batch is full the groups still generating are aborted and carried over as they stand (tokens and log-probs so
@@ -13,15 +16,18 @@ driver, once per finished group; the engine's step loop is deterministic, so whe
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-from vime_engine.plugins import load_function
+from vime_engine.plugins import check_callable, import_function, parameter_names
 from vime_engine.sample import Sample
 
-GroupFilter = Callable[[list[Sample]], bool]
+GroupFilter = Callable[[list[Sample]], Any]  # a bool, or vime's DynamicFilterOutput (`keep`, `reason`)
+TakeBuffered = Callable[[list[list[Sample]], int], list[list[Sample]]]  # (cut-off groups, draw size) -> to resume
+FILTER_FLAG = "--dynamic-sampling-filter-path"
 
 
 def rewards_differ(group: list[Sample]) -> bool:
@@ -29,10 +35,23 @@ def rewards_differ(group: list[Sample]) -> bool:
     return len({s.reward for s in group}) > 1
 
 
-def load_group_filter(spec: str | None) -> GroupFilter:
+def load_group_filter(spec: str | None, args: Any = None) -> GroupFilter:
+    """The filter named by `spec` (default `rewards_differ`). vime's form, told by a first parameter named
+    `args` or two required ones, is called with `args` bound."""
     if spec is None:
         return rewards_differ
-    return load_function(spec, "--dynamic-sampling-filter-path", ("group",), "`(group: list[Sample]) -> bool`")
+    vime = "`(args, samples: list[Sample], **kwargs) -> bool | DynamicFilterOutput`"
+    fn = import_function(spec, FILTER_FLAG, vime)
+    names = parameter_names(fn)
+    if names[:1] == ["args"] or len(parameter_names(fn, required_only=True)) >= 2:
+        return functools.partial(check_callable(fn, spec, FILTER_FLAG, ("args", "samples"), vime), args)
+    return check_callable(fn, spec, FILTER_FLAG, ("group",), "`(group: list[Sample]) -> bool`")
+
+
+def verdict(output: Any) -> tuple[bool, str | None]:
+    """A filter's answer as (keep, reason): a bool, or an object with `keep` and `reason` (vime's
+    DynamicFilterOutput; its `keep_when_insufficient` is not read, a rejected group is always dropped)."""
+    return bool(getattr(output, "keep", output)), getattr(output, "reason", None)
 
 
 def group_samples(samples: list[Sample]) -> list[list[Sample]]:
@@ -89,6 +108,7 @@ class Collected:
     rounds: int
     resumed: int = 0  # partial groups continued in this rollout
     aborted: int = 0  # groups cut off at its end, carried over as partial
+    seen: list[list[Sample]] = field(default_factory=list)  # every group its rounds finished: kept, dropped, surplus
 
     @property
     def samples(self) -> list[Sample]:
@@ -103,17 +123,19 @@ class Collected:
 
 
 def collect_groups(start_round: StartRound, wanted: int, keep: GroupFilter, carry: CarryOver,
-                   max_rounds: int = 32) -> Collected:
+                   max_rounds: int = 32, take_buffered: TakeBuffered | None = None, draw_size: int = 0) -> Collected:
     """Fill `wanted` groups: first from `carry.groups`, then from generation rounds, filtering each group.
 
-    `start_round(round, partial)` draws and starts the next round, continuing `partial` groups first. Groups
-    are filtered as the round hands them out; once `wanted` are kept the round is aborted and its unfinished
-    groups become `carry.partial` (a round that finished has none). Surplus kept groups stay in `carry.groups`.
-    Raises RuntimeError after `max_rounds` rounds without enough groups, naming the filter as the cause.
+    `start_round(round, partial)` draws and starts the next round, continuing `partial` groups first: all of
+    `carry.partial`, or those `take_buffered(carry.partial, draw_size)` picks (the rest wait for a later round).
+    Groups are filtered as the round hands them out; once `wanted` are kept the round is aborted and its
+    unfinished groups join `carry.partial` (a round that finished has none). Surplus kept groups stay in
+    `carry.groups`. Raises RuntimeError after `max_rounds` rounds without enough groups, naming the filter.
     """
     kept = carry.groups[:wanted]
     carry.groups = carry.groups[wanted:]
     drops: Counter = Counter()
+    seen: list[list[Sample]] = []
     rounds = resumed = aborted = 0
     while len(kept) < wanted:
         if rounds == max_rounds:
@@ -122,17 +144,22 @@ def collect_groups(start_round: StartRound, wanted: int, keep: GroupFilter, carr
                 f"(dropped: {dict(drops)}); the filter rejects almost everything: check the reward function, "
                 "raise --over-sampling-batch-size or drop --dynamic-sampling-filter-path"
             )
-        resumed += len(carry.partial)
-        stream = start_round(rounds, carry.partial)
+        resuming = carry.partial if take_buffered is None else take_buffered(carry.partial, draw_size)
+        waiting = [g for g in carry.partial if not any(g is r for r in resuming)]
+        resumed += len(resuming)
+        stream = start_round(rounds, resuming)
         while len(kept) < wanted and (finished := stream.advance()):
+            seen += finished
             for group in finished:
-                if not keep(group):
-                    drops["all_rewards_equal" if len({s.reward for s in group}) == 1 else "filtered"] += 1
+                keep_it, reason = verdict(keep(group))
+                if not keep_it:
+                    drops[reason or ("all_rewards_equal" if len({s.reward for s in group}) == 1 else "filtered")] += 1
                 elif len(kept) < wanted:
                     kept.append(group)
                 else:
                     carry.groups.append(group)
-        carry.partial = stream.abort()
-        aborted += len(carry.partial)
+        cut_off = stream.abort()
+        aborted += len(cut_off)
+        carry.partial = waiting + cut_off
         rounds += 1
-    return Collected(kept, drops, rounds, resumed, aborted)
+    return Collected(kept, drops, rounds, resumed, aborted, seen)

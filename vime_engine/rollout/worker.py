@@ -18,7 +18,7 @@ import torch
 from vime_engine.config import EngineConfig
 from vime_engine.data.chat import render_prompt
 from vime_engine.data.records import PromptRecord
-from vime_engine.rewards import BatchRewardFn, RewardInput, extract_answer, get_batch_reward
+from vime_engine.rewards import BatchRewardFn, RewardInput, extract_answer, get_batch_reward, run_reward
 from vime_engine.rollout.partial import continuation, extend
 from vime_engine.rollout.vllm_engine import (
     Completion, DeviceTuning, EngineSettings, Request, SamplingSettings, VLLMEngine,
@@ -84,7 +84,7 @@ class RolloutWorker:
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.engine = VLLMEngine(engine_settings(cfg, kv_cache_bytes))
-        self.reward_fn = get_batch_reward(cfg.reward.rm_type, cfg.reward.custom_rm_path, cfg.reward.rm_url)
+        self.reward_fn = run_reward(cfg)
         self._round: _Round | None = None
 
     @property
@@ -165,12 +165,14 @@ class RolloutWorker:
         # The whole group at once: a remote reward sends it as one concurrent wave of requests. Decoded here, not
         # by vLLM, since a continued response spans several requests; decoded as vLLM would (special tokens
         # skipped, spaces left alone).
-        texts = [self.tokenizer.decode(s.response_tokens, skip_special_tokens=True,
-                                       clean_up_tokenization_spaces=False) for s in group]
-        rewards = self._round.reward_fn([RewardInput(s.prompt, text, s.label) for s, text in zip(group, texts)])
-        for sample, text, reward in zip(group, texts, rewards, strict=True):
-            sample.response, sample.reward = text, float(reward)
-            sample.metadata = {**sample.metadata, "extracted_answer": extract_answer(self._round.rm_type, text)}
+        for s in group:  # the response is set first: vime's rewards read it from the sample
+            s.response = self.tokenizer.decode(s.response_tokens, skip_special_tokens=True,
+                                               clean_up_tokenization_spaces=False)
+        rewards = self._round.reward_fn([RewardInput(s.prompt, s.response, s.label, s) for s in group])
+        for sample, reward in zip(group, rewards, strict=True):
+            sample.reward = float(reward)
+            sample.metadata = {**sample.metadata,
+                               "extracted_answer": extract_answer(self._round.rm_type, sample.response)}
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int) -> float:
         if isinstance(named_tensors, dict):

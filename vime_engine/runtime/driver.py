@@ -55,7 +55,9 @@ def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: Roll
             collected = collect_groups(
                 lambda round_, resumed: ctx.start_round(rollout_id, round_, resumed),
                 cfg.rollout.rollout_batch_size, ctx.group_filter, state.carry,
+                take_buffered=ctx.hooks.take_buffered, draw_size=ctx.draw_size,
             )
+            ctx.hooks.after_collect(collected.groups, collected.seen, ctx.data)
             samples = collected.samples
             if cfg.placement.async_rollout and rollout_id + 1 < end:
                 ctx.prefetch(rollout_id + 1)  # generation of the next rollout overlaps this training step
@@ -79,7 +81,8 @@ def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: Roll
             }
             if ctx.eval_due(rollout_id):
                 metrics.update(run_evaluations(cfg, workers, rollout_id))
-            ctx.log_rollout(rollout_id, metrics)
+            ctx.log_rollout(rollout_id, metrics,
+                            write=not ctx.hooks.skip_default_log(rollout_id, samples, collected.metrics(), t1 - t0))
             result.rollouts_done.append(rollout_id)
             if on_rollout is not None:
                 on_rollout(rollout_id, metrics)

@@ -18,13 +18,12 @@ from vime_engine.data.source import DataSource
 from vime_engine.evaluation import summarize, write_results
 from vime_engine.manifest import ChecksumMismatch
 from vime_engine.metrics import MetricsSink
-from vime_engine.rollout.dynamic_sampling import (
-    CarryOver, FinishedRound, GroupFilter, RoundStream, load_group_filter,
-)
+from vime_engine.rollout.dynamic_sampling import CarryOver, FinishedRound, GroupFilter, RoundStream
 from vime_engine.rollout.vllm_engine import SamplingSettings
 from vime_engine.rollout.worker import GenerationPlan, train_plan
 from vime_engine.runtime.workers import Workers
 from vime_engine.sample import Sample
+from vime_engine.vime_hooks import load_rollout_hooks
 
 log = logging.getLogger(__name__)
 BUFFER_FILE = "buffer.pkl"
@@ -46,10 +45,8 @@ class RunContext:
         self.cfg, self.workers, self.data, self.sink, self.state = cfg, workers, data, sink, state
         self.plan = train_plan(cfg)
         self.draw_size = cfg.rollout.over_sampling_batch_size or cfg.rollout.rollout_batch_size
-        self.group_filter: GroupFilter = (
-            load_group_filter(cfg.rollout.dynamic_sampling_filter_path)
-            if cfg.rollout.over_sampling_batch_size else (lambda group: True)
-        )
+        self.hooks = load_rollout_hooks(cfg)  # vime's plugin hooks; without them, what the engine does anyway
+        self.group_filter: GroupFilter = self.hooks.keep
         self._prefetched: tuple[int, Any] | None = None
         self._cursor_before_prefetch: tuple[dict, int] | None = None
 
@@ -99,10 +96,13 @@ class RunContext:
         return FinishedRound(ray.get(self.workers.generate(records, rollout_id, first_group, self.plan)))
 
     # -- bookkeeping --------------------------------------------------------------------------------------------
-    def log_rollout(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+    def log_rollout(self, rollout_id: int, metrics: dict[str, Any], write: bool = True) -> None:
+        """Keep the rollout's metrics in the run's history; `write`: also to the sinks (a vime log function may
+        have logged them its own way)."""
         self.state.history.append({"rollout_id": rollout_id, **metrics})
         self.state.next_rollout_id = rollout_id + 1
-        self.sink.log(rollout_id, metrics)
+        if write:
+            self.sink.log(rollout_id, metrics)
 
     def log_eval(self, rollout_id: int, metrics: dict[str, float]) -> None:
         self.state.history.append({"rollout_id": rollout_id, **metrics})

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vime_engine.algorithms.advantages import AdvantageInputs, AdvantageResult, compute_advantages
+from vime_engine.algorithms.advantages import AdvantageInputs, AdvantageResult
 from vime_engine.algorithms.losses import kl_penalty
 from vime_engine.config import EngineConfig
 from vime_engine.sample import Sample
 from vime_engine.train.objective import MicroBatchTargets
+from vime_engine.vime_hooks import load_trainer_hooks
 
 
 @dataclass
@@ -59,25 +60,24 @@ def build_rollout_batch(
     old_values: Tensor | None = None,
 ) -> RolloutBatch:
     """Advantages of the whole rollout (the configured estimator) and its flat target tensors."""
-    alg = cfg.algorithm
     device = old_log_probs.device
     lengths = [s.response_length for s in samples]
     mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float32, device=device)
     kl = kl_penalty(old_log_probs, ref_log_probs, "k1") if ref_log_probs is not None else torch.zeros_like(mask)
-    result = compute_advantages(
-        alg.advantage_estimator,
-        AdvantageInputs(
-            rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device),
-            response_lengths=lengths, loss_mask=mask, group_size=cfg.rollout.n_samples_per_prompt, kl=kl,
-            values=old_values,
-        ),
-        normalize_std=not alg.disable_grpo_std_normalization, kl_coef=alg.kl_coef, gamma=alg.gamma,
-        lam=alg.lambd, normalize_advantages=alg.normalize_advantages,
+    rollout_lp = torch.tensor([x for s in samples for x in s.rollout_log_probs], device=device)
+    inputs = AdvantageInputs(
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device),
+        response_lengths=lengths, loss_mask=mask, group_size=cfg.rollout.n_samples_per_prompt, kl=kl,
+        values=old_values,
+    )
+    # The configured estimator, or vime's reward post-process / advantage function in its place.
+    result = load_trainer_hooks(cfg).advantages(
+        cfg, samples, inputs,
+        {"log_probs": old_log_probs, "ref_log_probs": ref_log_probs, "rollout_log_probs": rollout_lp},
     )
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
-    rollout_lp = torch.tensor([x for s in samples for x in s.rollout_log_probs], device=device)
     return RolloutBatch(lengths, offsets, mask, old_log_probs, rollout_lp, result, ref_log_probs, old_values)
 
 
