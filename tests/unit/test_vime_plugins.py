@@ -10,6 +10,7 @@ import torch
 
 from vime_engine.algorithms.advantages import AdvantageInputs, group_normalized_advantages, masked_whiten
 from vime_engine.config import ConfigError, build_config
+from vime_engine.preflight import PreflightError, preflight
 from vime_engine.rewards import RewardInput, run_reward
 from vime_engine.rewards.custom import load_sample_reward
 from vime_engine.rollout.dynamic_sampling import CarryOver, FinishedRound, collect_groups, load_group_filter
@@ -219,3 +220,16 @@ def test_a_hook_with_the_wrong_signature_fails_when_loaded(tmp_path):
     (tmp_path / "bad.py").write_text("def one(samples):\n    pass\n")
     with pytest.raises(ValueError, match=r"--rollout-sample-filter-path .* cannot be called with \(args, samples\)"):
         load_rollout_hooks(_cfg(tmp_path, **{"rollout-sample-filter-path": f"{tmp_path}/bad.py:one"}))
+
+
+def test_preflight_loads_and_checks_every_plugin_before_any_model_loads(tmp_path, tiny_model):
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 2 + 3?", "label": "5"}) + "\n")
+    (tmp_path / "bad.py").write_text("def adv(rollout_data):\n    pass\n")
+    flags = {"hf-checkpoint": str(tiny_model), "prompt-data": str(data), "n-samples-per-prompt": 2,
+             "output-dir": str(tmp_path), "custom-rm-path": f"{PLUGINS}:custom_rm",
+             "dynamic-sampling-filter-path": f"{PLUGINS}:dynamic_filter",
+             "custom-reward-post-process-path": f"{PLUGINS}:reward_post_process"}
+    preflight(build_config([], **flags))  # vime's signatures pass
+    with pytest.raises(PreflightError, match=r"--custom-advantage-function-path .*bad.py:adv.* \(args, rollout_data\)"):
+        preflight(build_config([], **flags, **{"custom-advantage-function-path": f"{tmp_path}/bad.py:adv"}))
