@@ -18,9 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.megatron.cpu_compat import import_megatron_bridge, install_cpu_cuda_shim  # noqa: E402
+from tests.megatron.cpu_compat import install_cpu_cuda_shim  # noqa: E402
 
-import_megatron_bridge()
 install_cpu_cuda_shim()
 
 import torch  # noqa: E402

@@ -1,4 +1,4 @@
-"""HF <-> Megatron (torch_dist) checkpoint conversion through Megatron-Bridge, verified by a round trip.
+"""HF <-> Megatron (torch_dist) checkpoint conversion (vime_engine.train.megatron_hf), verified by a round trip.
 
 HF → Megatron writes `<dest>/iter_0000000/` (Megatron's distributed checkpoint, torch_dist backend, the model's
 sharded state dict under "model"), `latest_checkpointed_iteration.txt`, and `<dest>/hf_config/` (the source's
@@ -98,35 +98,32 @@ def _completed(dest: Path, direction: Direction, source_hash: str) -> Conversion
 
 
 def _hf_to_megatron(mm, source: Path, dest: Path, accelerator: Accelerator) -> tuple[float, float, float]:
-    bridge = mm.hf_bridge(source, torch.float32)
-    model = mm.build_model(bridge, mm.ParallelLayout(), torch.float32, accelerator, load_weights=True)
+    arch = mm.HFArchitecture.from_pretrained(source)
+    model = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator, hf_dir=source)
     mm.save_torch_dist(mm.model_sharded_state_dict(model), dest / mm.TORCH_DIST_ITERATION_DIR)
     (dest / "latest_checkpointed_iteration.txt").write_text("0")
     copy_non_weight_files(source, dest / mm.HF_CONFIG_DIR)
     del model
 
-    reloaded = mm.build_model(bridge, mm.ParallelLayout(), torch.float32, accelerator, load_weights=False)
+    reloaded = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator)
     mm.load_torch_dist(mm.model_sharded_state_dict(reloaded), dest / mm.TORCH_DIST_ITERATION_DIR)
-    return _verify(mm, bridge, reloaded, hf_dir=source)
+    return _verify(mm, arch, reloaded, hf_dir=source)
 
 
 def _megatron_to_hf(mm, source: Path, dest: Path, accelerator: Accelerator) -> tuple[float, float, float]:
-    from megatron.bridge import AutoBridge
-    from transformers import AutoConfig
-
     hf_config_dir = source / mm.HF_CONFIG_DIR
     if not (source / mm.TORCH_DIST_ITERATION_DIR).is_dir() or not hf_config_dir.is_dir():
         raise FileNotFoundError(
             f"{source} is not a converted Megatron checkpoint: expected {mm.TORCH_DIST_ITERATION_DIR}/ and "
             f"{mm.HF_CONFIG_DIR}/ (write one with direction hf_to_megatron)"
         )
-    bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(hf_config_dir))
-    model = mm.build_model(bridge, mm.ParallelLayout(), torch.float32, accelerator, load_weights=False)
+    arch = mm.HFArchitecture.from_pretrained(hf_config_dir)
+    model = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator)
     mm.load_torch_dist(mm.model_sharded_state_dict(model), source / mm.TORCH_DIST_ITERATION_DIR)
-    weights = {name: t.cpu() for name, t in mm.hf_weight_stream(bridge, model, with_lm_head=False)}
+    weights = {name: t.cpu() for name, t in mm.hf_weight_stream(arch, model, with_lm_head=False)}
     mm.save_hf_weights(weights, dest)
     copy_non_weight_files(hf_config_dir, dest)
-    return _verify(mm, bridge, model, hf_dir=dest)
+    return _verify(mm, arch, model, hf_dir=dest)
 
 
 def copy_non_weight_files(source: Path, dest: Path) -> None:
@@ -138,7 +135,7 @@ def copy_non_weight_files(source: Path, dest: Path) -> None:
                 shutil.copy2(path, dest / path.name)
 
 
-def _verify(mm, bridge, model, hf_dir: Path) -> tuple[float, float, float]:
+def _verify(mm, arch, model, hf_dir: Path) -> tuple[float, float, float]:
     """Max |difference| of exported vs HF tensors and of fixed-batch log-probs (fp32, checked); raises past the
     tolerances."""
     from transformers import AutoModelForCausalLM
@@ -147,7 +144,7 @@ def _verify(mm, bridge, model, hf_dir: Path) -> tuple[float, float, float]:
     hf_state = hf_model.state_dict()
     tensor_diff = 0.0
     exported = set()
-    for name, tensor in mm.hf_weight_stream(bridge, model, with_lm_head=True):
+    for name, tensor in mm.hf_weight_stream(arch, model, with_lm_head=True):
         exported.add(name)
         if name not in hf_state:
             raise ConversionError(f"exported tensor {name} does not exist in the HF model at {hf_dir}")

@@ -24,7 +24,7 @@ from vime_engine.data.prompt_length import load_tokenizer, prompt_lengths, short
 from vime_engine.rewards.labels import label_problem
 
 log = logging.getLogger(__name__)
-MEGATRON_MODULES = ("megatron.core", "megatron.bridge")
+MEGATRON_MODULES = ("megatron.core",)  # the HF mapping is our own (train/megatron_hf.py)
 CHECKPOINT_WEIGHTS = "model.safetensors"  # the torch backend's weights inside rollout_NNNNNNN/
 # One of these holds a tokenizer's vocabulary (fast, sentencepiece, or BPE vocab + merges).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -41,6 +41,10 @@ def preflight(cfg: EngineConfig) -> None:
     model_config = check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
     if cfg.checkpoint.ref_load is not None:
         check_model_dir(cfg.checkpoint.ref_load, "--ref-load")
+    if cfg.train.train_backend == "megatron":
+        _check_megatron_mapping(cfg.model.hf_checkpoint, "--hf-checkpoint")
+        if cfg.checkpoint.ref_load is not None:
+            _check_megatron_mapping(cfg.checkpoint.ref_load, "--ref-load")
     _check_plugins(cfg)
     _check_checkpoints(cfg)
     tokenizer = _tokenizer(cfg.model.hf_checkpoint)
@@ -69,9 +73,19 @@ def require_megatron() -> None:
     if missing:
         raise PreflightError(
             f"--train-backend megatron needs {' and '.join(m.replace('.', '-') for m in missing)}, which this "
-            "environment lacks: use the CUDA / NPU image or the Python 3.12 environment made by "
-            "scripts/ensure-venv-megatron, or train with --train-backend torch here"
+            "environment lacks: install it (scripts/ensure-venv and scripts/ensure-venv-megatron do), use the "
+            "CUDA / NPU image, or train with --train-backend torch here"
         )
+
+
+def _check_megatron_mapping(path: str, flag: str) -> None:
+    """The Megatron backend's HF mapping covers this architecture (a family or setting it would get wrong is named)."""
+    from vime_engine.train.megatron_hf import HFArchitecture, UnsupportedHFModel
+
+    try:
+        HFArchitecture.from_pretrained(path)
+    except UnsupportedHFModel as exc:
+        raise PreflightError(f"{flag} {exc}") from None
 
 
 def check_model_dir(path: str, flag: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Prepared CUDA check for a lent GPU machine (a few minutes): run `python tests/gpu/check_cuda.py [--model DIR]`.
 
-Needs a CUDA venv with Python 3.12: torch (CUDA), `vllm` (CUDA wheel), megatron-core 0.19.2 + megatron-bridge
-0.6.2 (Transformer Engine optional: without it Megatron's local layers are used), transformers, and this
+Needs a CUDA venv with Python 3.12: torch (CUDA), `vllm` (CUDA wheel), megatron-core 0.19.2 (Transformer Engine
+optional: without it Megatron's local layers are used; no megatron-bridge: the HF mapping is the engine's own,
+and with TE its fused-norm layer names are mapped but not yet run on a GPU), transformers, and this
 project (`pip install --no-deps -e .`). No test shim: the real CUDA calls run.
 
 Phases, each in its own process (vLLM and Megatron each want to own torch.distributed's default group):

@@ -1,7 +1,8 @@
 """The Megatron lane (Python 3.12, .venv-megatron; see scripts/ensure-venv-megatron).
 
-Under the main lane's Python 3.11 this folder collects nothing: megatron-core and megatron-bridge need 3.12.
-Under 3.12 they must import; a missing package fails the run instead of skipping.
+Under the main lane's Python 3.11 this folder collects nothing (its Megatron-in-the-loop test is
+tests/component/test_megatron_loop.py, on megatron-core 0.16). Under 3.12 megatron-core 0.19 (and megatron-bridge,
+which one test compares our HF mapping with) must import; a missing package fails the run instead of skipping.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import pytest
 if sys.version_info < (3, 12):
     collect_ignore_glob = ["test_*.py"]
 else:
-    from tests.megatron.cpu_compat import import_megatron_bridge, install_cpu_cuda_shim
+    from tests.megatron.cpu_compat import install_cpu_cuda_shim
 
-    import_megatron_bridge()
     install_cpu_cuda_shim()
 
 

@@ -1,13 +1,15 @@
-"""Test-only: run megatron-core and Megatron-Bridge on a CPU-only machine.
+"""Test-only: run megatron-core (0.16 in the main lane, 0.19 in the 3.12 lane) on a CPU-only machine.
 
 Two pieces, the same idea as Ascend's `transfer_to_npu` (which remaps `torch.cuda` onto the NPU):
 
-* `install_transformer_engine_stub()`: Megatron-Bridge imports `transformer_engine.pytorch` at module level in
-  its LoRA layers (which AutoBridge imports). The stub is placed in `sys.modules` only while Megatron-Bridge is
-  imported and removed right after, so every `try: import transformer_engine` in megatron-core still fails
-  and Megatron keeps its local (non-TE) layers.
 * `install_cpu_cuda_shim()`: megatron-core calls `torch.cuda.*` and `Tensor.cuda()` unconditionally in a few
-  places (RNG tracker, optimizer, dist-checkpointing, DDP buffers); these are mapped to the CPU.
+  places (RNG tracker, optimizer, dist-checkpointing, DDP buffers); these are mapped to the CPU. Main-lane tests
+  (vLLM + Megatron in one run) and the Megatron lane's both use it; `prepare_ray_worker` installs it in Ray's
+  rank processes.
+* `import_megatron_bridge()`: only for the test that compares our HF mapping with Megatron-Bridge's (the engine
+  does not use the bridge). The bridge imports `transformer_engine.pytorch` at module level in its LoRA layers;
+  a stub is placed in `sys.modules` only while it is imported and removed right after, so every `try: import
+  transformer_engine` in megatron-core still fails and Megatron keeps its local (non-TE) layers.
 
 Production code never imports this module: on CUDA and NPU (with MindSpeed) the real calls apply.
 """
@@ -177,5 +179,4 @@ def _redirect_megatron_factories() -> None:
 
 def prepare_ray_worker() -> None:
     """Ray's `worker_process_setup_hook` for the trainer group's rank processes in the CPU tests."""
-    import_megatron_bridge()
     install_cpu_cuda_shim()

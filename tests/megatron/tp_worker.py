@@ -16,9 +16,8 @@ import torch
 def main(rank: int, world: int, port: int, model_dir: Path, out_file: Path) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from tests.megatron.cpu_compat import import_megatron_bridge, install_cpu_cuda_shim
+    from tests.megatron.cpu_compat import install_cpu_cuda_shim
 
-    import_megatron_bridge()
     install_cpu_cuda_shim()
     from tests.megatron.helpers import fixed_rollout, tiny_config
     from vime_engine.train.megatron_backend import MegatronTrainBackend

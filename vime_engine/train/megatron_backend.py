@@ -1,4 +1,4 @@
-"""Training backend `megatron`: a Megatron-Core GPT model built from HF weights through Megatron-Bridge.
+"""Training backend `megatron`: a Megatron-Core GPT model built from HF weights (vime_engine.train.megatron_hf).
 
 Same contract as the torch backend: build from an HF directory, per-token response log-probs,
 `train_rollout(samples)` with the shared RL objective, the weights as an HF-named stream (`named_weights`, the
@@ -62,15 +62,17 @@ class MegatronTrainBackend:
         torch.manual_seed(cfg.train.seed)
         self.device = torch.device(self.accelerator.torch_device)
         self.dtype = getattr(torch, cfg.model.dtype)
-        self.bridge = mm.hf_bridge(cfg.model.hf_checkpoint, self.dtype)
-        self.vocab_size = self.bridge.hf_pretrained.config.vocab_size
+        self.arch = mm.HFArchitecture.from_pretrained(cfg.model.hf_checkpoint)
+        self.vocab_size = self.arch.vocab_size
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=self.layout.grad_reduce_in_fp32, overlap_grad_reduce=False)
-        self.model = mm.build_model(self.bridge, self.layout, self.dtype, self.accelerator, ddp_config=ddp)
+        self.model = mm.build_model(self.arch, self.layout, self.dtype, self.accelerator,
+                                    hf_dir=cfg.model.hf_checkpoint, ddp_config=ddp)
         self.ref_model = None
         if needs_reference(cfg):
-            ref_bridge = mm.hf_bridge(cfg.checkpoint.ref_load or cfg.model.hf_checkpoint, self.dtype)
-            self.ref_model = mm.build_model(ref_bridge, self.layout, self.dtype, self.accelerator)
+            ref_dir = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
+            ref_arch = mm.HFArchitecture.from_pretrained(ref_dir)
+            self.ref_model = mm.build_model(ref_arch, self.layout, self.dtype, self.accelerator, hf_dir=ref_dir)
             for chunk in self.ref_model:
                 chunk.eval().requires_grad_(False)
         t = cfg.train
@@ -220,7 +222,7 @@ class MegatronTrainBackend:
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The policy's full weights in HF names (gathered over TP/PP; collective: every rank must iterate);
         `lm_head.weight` always included (vLLM needs it even when tied)."""
-        for name, tensor in self.mm.hf_weight_stream(self.bridge, self.model, with_lm_head=True):
+        for name, tensor in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=True):
             yield name, tensor.detach()
 
     def save_hf(self, directory: str | Path, tokenizer_from: str | None = None) -> Path:
@@ -228,7 +230,7 @@ class MegatronTrainBackend:
         from vime_engine.convert import copy_non_weight_files
 
         directory = Path(directory)
-        weights = {name: t.cpu() for name, t in self.mm.hf_weight_stream(self.bridge, self.model, with_lm_head=False)}
+        weights = {name: t.cpu() for name, t in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=False)}
         if torch.distributed.get_rank() == 0:
             self.mm.save_hf_weights(weights, directory)
             copy_non_weight_files(Path(tokenizer_from or self.cfg.model.hf_checkpoint), directory)

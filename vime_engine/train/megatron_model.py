@@ -1,4 +1,4 @@
-"""Building a Megatron-Core GPT model from an HF directory through Megatron-Bridge, and its torch_dist files.
+"""Building a Megatron-Core GPT model from an HF directory (the mapping in megatron_hf), and its torch_dist files.
 
 Shared by the Megatron training backend and the checkpoint converter. Import this module only after
 `vime_engine.runtime.devices.prepare_accelerator` ran: on Ascend, MindSpeed's adaptor must patch Megatron before
@@ -7,7 +7,6 @@ the first `megatron` import, and this module imports Megatron at the top.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -16,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.bridge import AutoBridge
-from megatron.bridge.models.gpt_provider import local_layer_spec
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
 from vime_engine.runtime.devices import Accelerator
+from vime_engine.train import megatron_hf as mh
+from vime_engine.train.megatron_hf import HFArchitecture
 
 TORCH_DIST_ITERATION_DIR = "iter_0000000"
 HF_CONFIG_DIR = "hf_config"  # config + tokenizer of the source HF model, kept beside the torch_dist weights
@@ -132,63 +131,40 @@ def init_distributed(accelerator: Accelerator, layout: ParallelLayout, seed: int
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def hf_bridge(hf_dir: str | Path, dtype: torch.dtype) -> AutoBridge:
-    return AutoBridge.from_hf_pretrained(str(hf_dir), dtype=dtype)
-
-
 def build_model(
-    bridge: AutoBridge,
+    arch: HFArchitecture,
     layout: ParallelLayout,
     dtype: torch.dtype,
     accelerator: Accelerator,
-    load_weights: bool = True,
+    hf_dir: str | Path | None = None,
     ddp_config: Any = None,
 ) -> list[torch.nn.Module]:
-    """The Megatron model chunks for this rank, with the bridge's HF weights loaded when asked.
+    """This rank's Megatron GPT model (one chunk: its pipeline stage), with the HF weights of `hf_dir` loaded
+    when given (otherwise Megatron's random init, e.g. before loading a torch_dist checkpoint).
 
-    Transformer Engine layers when TE is installed (CUDA images), Megatron's local layers otherwise (CPU tests,
-    Ascend through MindSpeed's patches).
+    Mixed-precision wrapper for bf16 / fp16, Megatron's DDP wrapper when `ddp_config` is given.
     """
-    provider = bridge.to_megatron_provider(load_weights=load_weights)
-    if importlib.util.find_spec("transformer_engine") is None:
-        provider.transformer_layer_spec = local_layer_spec
-        # Fused kernels that need TE / Apex (Llama providers turn them on); the local layers reject them.
-        provider.apply_rope_fusion = False
-        provider.persist_layer_norm = False
-        provider.gradient_accumulation_fusion = False
-    provider.tensor_model_parallel_size = layout.tensor
-    provider.pipeline_model_parallel_size = layout.pipeline
-    provider.context_parallel_size = layout.context
-    provider.expert_model_parallel_size = layout.expert
-    if layout.expert_tensor is not None:
-        provider.expert_tensor_parallel_size = layout.expert_tensor
-    provider.sequence_parallel = layout.sequence_parallel
-    provider.attention_dropout = layout.attention_dropout
-    provider.hidden_dropout = layout.hidden_dropout
-    if layout.attention_softmax_in_fp32 is not None:
-        provider.attention_softmax_in_fp32 = layout.attention_softmax_in_fp32
-    if layout.attention_backend is not None:
-        from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
 
-        provider.attention_backend = AttnBackend[layout.attention_backend]
-    if layout.recompute_granularity is not None:
-        provider.recompute_granularity = layout.recompute_granularity
-        provider.recompute_method = layout.recompute_method
-        provider.recompute_num_layers = layout.recompute_num_layers
-    provider.params_dtype = dtype
-    provider.pipeline_dtype = dtype
-    provider.bf16 = dtype == torch.bfloat16
-    provider.fp16 = dtype == torch.float16
-    # Micro-batches are padded to their own longest sample, so pipeline stages exchange varying shapes.
-    provider.variable_seq_lengths = layout.pipeline > 1
-    provider.finalize()
-    return provider.provide_distributed_model(
-        ddp_config=ddp_config,
-        wrap_with_ddp=ddp_config is not None,
-        fp16=provider.fp16,
-        bf16=provider.bf16,
-        use_cpu_initialization=accelerator.kind == "cpu",
+    config = mh.transformer_config(arch, layout, dtype, use_cpu_initialization=accelerator.kind == "cpu")
+    model: torch.nn.Module = GPTModel(
+        config, mh.layer_spec(arch), vocab_size=arch.padded_vocab_size(layout.tensor),
+        max_sequence_length=arch.max_positions, pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=arch.tied_embeddings,
+        position_embedding_type="rope", rotary_base=arch.rope_theta,
     )
+    for param in model.parameters():
+        tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    model.to(accelerator.torch_device)
+    if hf_dir is not None:
+        mh.load_hf_weights([model], arch, hf_dir)
+    if config.bf16 or config.fp16:
+        model = Float16Module(config, model)
+    if ddp_config is not None:
+        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    return [model]
 
 
 def full_vocab_logits(output: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -230,11 +206,7 @@ def forward_logits(chunk: torch.nn.Module, input_ids: torch.Tensor, vocab_size: 
 
 
 def save_hf_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
-    """HF safetensors files (sharded with an index past 5 GB), as `save_pretrained` lays them out.
-
-    Megatron-Bridge's own `save_hf_pretrained` needs NVIDIA ModelOpt; this writes the same files from the
-    `export_hf_weights` stream without it.
-    """
+    """HF safetensors files (sharded with an index past 5 GB), as `save_pretrained` lays them out."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
@@ -247,26 +219,7 @@ def save_hf_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-_TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def hf_weight_stream(bridge: AutoBridge, model: list[torch.nn.Module], with_lm_head: bool):
-    """(HF name, tensor) of the full model (collective over TP/PP ranks: every rank must iterate).
-
-    With tied embeddings Megatron-Bridge exports the shared matrix under one of its two HF names, depending on
-    the architecture; this stream always names it `model.embed_tokens.weight` and, when `with_lm_head` (vLLM
-    needs it), also yields it as `lm_head.weight` right after.
-    """
-    hf_config = getattr(bridge.hf_pretrained, "config", bridge.hf_pretrained)  # a bridge built from a config
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    shared_done = False
-    for name, tensor in bridge.export_hf_weights(model, cpu=False, show_progress=False):
-        if not (tied and name in _TIED_NAMES):
-            yield name, tensor
-            continue
-        if shared_done:
-            continue
-        shared_done = True
-        yield _TIED_NAMES[0], tensor
-        if with_lm_head:
-            yield _TIED_NAMES[1], tensor
+def hf_weight_stream(arch: HFArchitecture, model: list[torch.nn.Module], with_lm_head: bool):
+    """(HF name, tensor) of the full model (collective over TP/PP ranks: every rank must iterate); with tied
+    embeddings `lm_head.weight` too when `with_lm_head` (vLLM needs it)."""
+    return mh.export_hf_weights([unwrap(chunk) for chunk in model], arch, with_lm_head)
