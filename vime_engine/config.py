@@ -72,6 +72,14 @@ class RolloutConfig(_Section):
     partial_rollout: bool = Field(
         False, description="stop generating once the batch is full; unfinished groups continue next rollout"
     )
+    custom_generate_function_path: str | None = Field(
+        None, description="vime's `async (args, sample, sampling_params) -> Sample` generating each sample "
+        "(multi-turn, tools) on the engine through args.rollout_engine; see vime_engine/rollout/custom_generate.py"
+    )
+    rollout_max_turns: int | None = Field(None, ge=1, description="the model's turns a multi-turn sample may hold")
+    rollout_max_context_len: int | None = Field(
+        None, ge=2, description="tokens a multi-turn sample may hold: prompt, every turn and every tool reply"
+    )
     rollout_num_gpus: int | None = None
     rollout_num_gpus_per_engine: int = 1
     vllm_gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
@@ -273,6 +281,7 @@ SECTIONS: dict[str, type[_Section]] = {
 # and the checkpoint itself refuses a dataset of another size or weights of another shape.
 NON_MATH_FIELDS = {
     "hf_checkpoint", "ref_load", "prompt_data", "custom_rm_path", "rm_url", "dynamic_sampling_filter_path",
+    "custom_generate_function_path",
     "buffer_filter_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
     "custom_reward_post_process_path", "custom_advantage_function_path", "rollout_function_path",
     "eval_function_path",

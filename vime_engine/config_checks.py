@@ -64,6 +64,7 @@ def check_combinations(cfg: EngineConfig) -> None:
         raise ConfigError("--eval-interval needs --eval-prompt-data NAME PATH")
     _check_rm_url(cfg)
     _check_vime_hooks(cfg)
+    _check_multi_turn_caps(cfg)
     _check_tracking(cfg.logging)
     if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None:
         raise ConfigError("--save-interval needs --save DIR")
@@ -161,6 +162,17 @@ def _check_rm_url(cfg: EngineConfig) -> None:
         )
     if url and not url.startswith(("http://", "https://")):
         raise ConfigError(f"--rm-url {url!r}: expected an http:// or https:// URL, e.g. http://127.0.0.1:8000/")
+
+
+def _check_multi_turn_caps(cfg: EngineConfig) -> None:
+    r = cfg.rollout
+    for flag, value in (("--rollout-max-turns", r.rollout_max_turns),
+                        ("--rollout-max-context-len", r.rollout_max_context_len)):
+        if value is not None and r.custom_generate_function_path is None:
+            raise ConfigError(
+                f"{flag} caps multi-turn samples, which only --custom-generate-function-path makes; without it a "
+                "response is one turn capped by --rollout-max-response-len: drop the flag or name a generate function"
+            )
 
 
 # Estimators that fold --kl-coef into the reward (algorithms/advantages.py); the others never read it.

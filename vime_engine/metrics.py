@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vime_engine.config import EngineConfig
+from vime_engine.rollout.custom_generate import TOOL_CALLS, model_turns
 from vime_engine.sample import Sample, SampleStatus
 from vime_engine.tracking import open_trackers
 
@@ -23,7 +24,20 @@ def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
         "rollout/response_len/max": float(max(lengths)),
         "rollout/response_len/min": float(min(lengths)),
         "rollout/truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
+        **multi_turn_metrics(samples),
     }
+
+
+def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Where responses hold tool / environment tokens (loss_mask 0), or a generate function counts tool calls:
+    the model's own tokens and turns, and the share of samples that called a tool."""
+    out: dict[str, float] = {}
+    if any(0 in s.loss_mask for s in samples) or any(TOOL_CALLS in s.metadata for s in samples):
+        out["rollout/model_tokens/mean"] = statistics.fmean(sum(s.loss_mask) for s in samples)
+        out["rollout/model_turns/mean"] = statistics.fmean(model_turns(s.loss_mask) for s in samples)
+    if any(TOOL_CALLS in s.metadata for s in samples):
+        out["rollout/tool_call_share"] = sum(s.metadata.get(TOOL_CALLS, 0) > 0 for s in samples) / len(samples)
+    return out
 
 
 def version_metrics(samples: list[Sample], policy_version: int) -> dict[str, float]:

@@ -149,6 +149,10 @@ def _check_plugins(cfg: EngineConfig) -> None:
             run_reward(cfg)
         load_rollout_hooks(cfg)
         load_trainer_hooks(cfg)
+        if cfg.rollout.custom_generate_function_path:
+            from vime_engine.rollout.custom_generate import load_generate_function
+
+            load_generate_function(cfg.rollout.custom_generate_function_path)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
 

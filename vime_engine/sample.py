@@ -13,6 +13,11 @@ class SampleStatus(str, enum.Enum):
     ABORTED = "aborted"  # not finished: cut off by the end of a rollout (partial rollout), or not yet started
 
 
+# The rollout log-prob stored for a tool / environment token: finite, since a masked NaN would still poison the
+# masked sums (NaN * 0 is NaN); loss_mask 0 keeps it out of every loss and metric.
+ENVIRONMENT_LOG_PROB = 0.0
+
+
 @dataclass
 class Sample:
     """One response to one prompt, with everything the trainer and the metrics need.
@@ -21,6 +26,10 @@ class Sample:
     `version_segments` says which weights generated the response: (weight version, number of tokens) in
     generation order. It has one entry unless the response was cut off and continued after a weight update
     (`--partial-rollout`); `rollout_log_probs` are per token, each under the version that sampled it.
+
+    Multi-turn (`--custom-generate-function-path`): the response interleaves the model's turns (loss_mask 1, with
+    their log-probs) and tool / environment replies (loss_mask 0, log-prob `ENVIRONMENT_LOG_PROB`, never compared
+    nor trained); `version_segments` then counts the model's tokens only.
     """
 
     group_index: int
@@ -73,3 +82,26 @@ class Sample:
     def get_reward_value(self, args: Any) -> float:
         key = getattr(args, "reward_key", None)
         return self.reward if not key else self.reward[key]
+
+    def append_response_tokens(self, args: Any = None, *, tokens: list[int], log_probs: list[float] | None = None,
+                               trainable: bool = True, meta_info: dict[str, Any] | None = None) -> None:
+        """Append one turn, as vime's method does: the model's tokens (`trainable`, with their log-probs and the
+        generation's `meta_info`, whose `weight_version` is recorded) or a tool reply (not trainable, no log-probs)."""
+        del args  # vime's signature; nothing here depends on the run's flags
+        tokens = list(tokens)
+        if trainable:
+            if log_probs is None or len(log_probs) != len(tokens):
+                raise ValueError(f"the model's {len(tokens)} tokens need as many rollout log-probs")
+            if meta_info is None or "weight_version" not in meta_info:
+                raise ValueError("the model's tokens need the generation's meta_info (its weight_version)")
+            version = int(meta_info["weight_version"])
+            if tokens and self.version_segments and self.version_segments[-1][0] == version:
+                self.version_segments[-1] = (version, self.version_segments[-1][1] + len(tokens))
+            elif tokens:
+                self.version_segments.append((version, len(tokens)))
+        elif log_probs is not None:
+            raise ValueError("tool / environment tokens take no log-probs: they were not sampled by the model")
+        self.response_tokens = self.response_tokens + tokens
+        self.rollout_log_probs = self.rollout_log_probs + (
+            [float(x) for x in log_probs] if trainable else [ENVIRONMENT_LOG_PROB] * len(tokens))
+        self.loss_mask = self.loss_mask + [int(trainable)] * len(tokens)

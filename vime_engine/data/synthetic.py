@@ -6,6 +6,11 @@
 - `arithmetic-demo` / `arithmetic-demo-eval`: every one-digit sum and difference ("What is 7 + 5?"),
   split by operand pair into a training set and a held-out evaluation set. SmolLM2-135M-Instruct gets
   about a third of these right when sampled, so GRPO groups have reward variance from the first rollout.
+- `calculator` / `calculator-eval`: two-step arithmetic on two-digit numbers ("What is 47 * 23 + 18?") as a chat
+  (`prompt`: a system message offering a calculator tool, one worked example of a tool call, the question;
+  `label`: the integer answer), for the calculator agent (vime_engine/agents/calculator_agent.py).
+  SmolLM2-135M-Instruct gets none right on its own; it calls the tool in about 45% of episodes and answers
+  right after nearly every call, so the reward is about the share of episodes that use the tool.
 - `aime-synthetic`: AIME-shaped rows (`prompt`, `label`): problems from templates whose integer
   answer (0-999) is computed, with the instruction to box the final answer. Each row holds the same problem
   and answer under `question` / `answer` too, so a run whose keys are gsm8k's (the CPU demo) evaluates on it.
@@ -144,6 +149,43 @@ def aime_synthetic_rows() -> list[Row]:
     return [_aime_row(i, rng) for i in range(AIME_ROWS)]
 
 
+CALCULATOR_ROWS, CALCULATOR_EVAL_ROWS = 1000, 64
+CALCULATOR_SYSTEM = (
+    "You are a helpful assistant with a calculator tool. To use it, write <tool_call>expression</tool_call> "
+    "and the result comes back in a tool message. Then give the final answer."
+)
+_CALCULATOR_EXAMPLE = [
+    {"role": "user", "content": "What is 12 * 34 + 56?"},
+    {"role": "assistant", "content": "<tool_call>12 * 34 + 56</tool_call>"},
+    {"role": "tool", "content": "<tool_response>464</tool_response>"},
+    {"role": "assistant", "content": "The answer is 464."},
+]
+
+
+def _calculator_row(rng: random.Random) -> dict:
+    a, b, c = rng.randint(11, 99), rng.randint(11, 99), rng.randint(11, 99)
+    kind = rng.randrange(3)
+    if kind == 0:
+        question, answer = f"What is {a} * {b} + {c}?", a * b + c
+    elif kind == 1:
+        question, answer = f"What is {a} * {b} - {c}?", a * b - c
+    else:
+        question, answer = f"What is ({a} + {b}) * {c}?", (a + b) * c
+    messages = [{"role": "system", "content": CALCULATOR_SYSTEM}, *_CALCULATOR_EXAMPLE,
+                {"role": "user", "content": question}]
+    return {"prompt": messages, "label": str(answer)}
+
+
+def calculator_rows() -> list[dict]:
+    rng = random.Random(_SEED)
+    return [_calculator_row(rng) for _ in range(CALCULATOR_ROWS)]
+
+
+def calculator_eval_rows() -> list[dict]:
+    rng = random.Random(_SEED + 1)  # another stream: problems independent of training (a repeat is chance)
+    return [_calculator_row(rng) for _ in range(CALCULATOR_EVAL_ROWS)]
+
+
 def _demo_pair_rows(a: int, b: int) -> list[Row]:
     """The problems on one unordered operand pair a <= b: a + b, b + a (when distinct) and b - a."""
     orders = [(a, b)] if a == b else [(a, b), (b, a)]
@@ -179,6 +221,8 @@ _BUILDERS: dict[str, Callable[[], list[Row]]] = {
     "aime-synthetic": aime_synthetic_rows,
     "arithmetic-demo": arithmetic_demo_rows,
     "arithmetic-demo-eval": arithmetic_demo_eval_rows,
+    "calculator": calculator_rows,
+    "calculator-eval": calculator_eval_rows,
 }
 
 BUILTIN_DATASETS: dict[str, str] = {
@@ -186,6 +230,9 @@ BUILTIN_DATASETS: dict[str, str] = {
     "aime-synthetic": f"{AIME_ROWS} AIME-shaped problems with computed integer answers 0-999 (prompt, label; also question, answer), answer in \\boxed{{}}",
     "arithmetic-demo": "one-digit sums and differences ('What is 7 + 5?'), gsm8k shape: training split for the CPU demo",
     "arithmetic-demo-eval": f"the {DEMO_EVAL_PAIRS} operand pairs held out of arithmetic-demo, same shape: its evaluation split",
+    "calculator": f"{CALCULATOR_ROWS} two-step problems on two-digit numbers as chats offering a calculator tool "
+                  "(prompt messages, label): the calculator agent's task",
+    "calculator-eval": f"{CALCULATOR_EVAL_ROWS} more of them from another seed: its evaluation set",
 }
 
 

@@ -128,6 +128,7 @@ class VLLMEngine:
         if settings.kv_cache_bytes is not None:
             extra["kv_cache_memory_bytes"] = settings.kv_cache_bytes
         max_model_len = settings.max_model_len or _model_max_positions(settings.model_path)
+        self.max_model_len = max_model_len  # prompt + response tokens a request may hold
         self.engine_kwargs = device_engine_kwargs(current_platform.device_type, settings.tuning, max_model_len)
         self.llm = LLM(
             model=settings.model_path,
@@ -148,13 +149,14 @@ class VLLMEngine:
     def running(self) -> bool:
         return self.llm.llm_engine.has_unfinished_requests()
 
-    def submit(self, requests: list[Request], sampling: SamplingSettings) -> None:
-        """Queue `requests` (n=1 each); nothing runs until `step()`."""
+    def submit(self, requests: list[Request], sampling: SamplingSettings, join_running: bool = False) -> None:
+        """Queue `requests` (n=1 each); nothing runs until `step()`. `join_running`: beside requests still running
+        (a multi-turn round adds each turn as the previous one finishes); otherwise none may run."""
         from vllm import SamplingParams
         from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
-        if self.running:
+        if self.running and not join_running:
             raise RuntimeError("requests are still running: finish or abort them before submitting more")
         for r in requests:
             params = SamplingParams(

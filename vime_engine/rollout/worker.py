@@ -9,6 +9,7 @@ exactly the same samples.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from vime_engine.config import EngineConfig
 from vime_engine.data.chat import render_prompt
 from vime_engine.data.records import PromptRecord
 from vime_engine.rewards import BatchRewardFn, RewardInput, extract_answer, get_batch_reward, run_reward
+from vime_engine.rollout.custom_generate import CustomRound, EngineClient, load_generate_function
 from vime_engine.rollout.partial import continuation, extend
 from vime_engine.rollout.vllm_engine import (
     Completion, DeviceTuning, EngineSettings, Request, SamplingSettings, VLLMEngine,
@@ -86,6 +88,15 @@ class RolloutWorker:
         self.engine = VLLMEngine(engine_settings(cfg, kv_cache_bytes))
         self.reward_fn = run_reward(cfg)
         self._round: _Round | None = None
+        r = cfg.rollout
+        self._custom: CustomRound | None = None  # the open round of --custom-generate-function-path
+        path = r.custom_generate_function_path
+        self._generate_fn = load_generate_function(path) if path else None
+        if self._generate_fn:
+            from vime_engine.vime_args import vime_args
+
+            self._client = EngineClient(self.engine, r.rollout_temperature, r.rollout_max_context_len, self.tokenizer)
+            self._args = vime_args(cfg, rollout_engine=self._client)
 
     @property
     def weight_version(self) -> int:
@@ -102,14 +113,24 @@ class RolloutWorker:
         """Start a round: the unfinished samples of `resumed` groups first, then a group per record (numbered
         from `first_group`); nothing is generated until `advance`."""
         groups = resumed + [self._new_group(r, first_group + i, plan.n_samples) for i, r in enumerate(records)]
-        requests = []
+        requests, jobs, s = [], [], plan.sampling
         for group in groups:
             seed = group_seed(self.cfg.data.rollout_seed, plan.seed_namespace, rollout_id, group[0].group_index)
             for j, sample in enumerate(group):
-                if not sample.finished:
-                    prompt, budget = continuation(sample, plan.sampling.max_tokens)
+                if not sample.finished and self._generate_fn:  # the function continues a cut-off sample itself
+                    # on its own copy: the group's sample counts as unfinished until the function returns
+                    jobs.append((f"{sample.group_index}/{j}", copy.deepcopy(sample), {
+                        "max_new_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                        "top_k": s.top_k, "sampling_seed": seed + j}))
+                elif not sample.finished:
+                    prompt, budget = continuation(sample, s.max_tokens)
                     requests.append(Request(f"{sample.group_index}/{j}", prompt, budget, seed + j))
-        self.engine.submit(requests, plan.sampling)
+        if self._generate_fn:
+            self._client.temperature = s.temperature
+            self._custom = CustomRound(self._generate_fn, self._args, self._client, jobs,
+                                       self.cfg.rollout.rollout_max_turns)
+        else:
+            self.engine.submit(requests, s)
         self._round = _Round(
             plan.rm_type or self.cfg.reward.rm_type,
             get_batch_reward(plan.rm_type, rm_url=self.cfg.reward.rm_url) if plan.rm_type else self.reward_fn,
@@ -120,7 +141,9 @@ class RolloutWorker:
         """Engine steps until at least one more group has finished, or nothing runs; those groups, rewarded,
         by group index."""
         done: list[int] = []
-        while not done and self.engine.running:
+        while not done and self._custom is not None and self._custom.running:
+            done += [i for key, sample in self._custom.step() if (i := self._place(key, sample)) is not None]
+        while not done and self._custom is None and self.engine.running:
             for c in self.engine.step():
                 if (index := self._record(c)) is not None:
                     done.append(index)
@@ -128,6 +151,10 @@ class RolloutWorker:
 
     def abort(self) -> list[list[Sample]]:
         """Abort what still runs; the unfinished groups with what they have so far (finished samples kept)."""
+        if self._custom is not None:
+            for key, sample in self._custom.abort():
+                self._place(key, sample)
+            self._custom = None
         for c in self.engine.abort():
             self._record(c)
         unfinished, self._round = list(self._round.groups.values()), None
@@ -154,8 +181,14 @@ class RolloutWorker:
     def _record(self, c: Completion) -> int | None:
         """Fold a completion into its sample; its group's index if that finished (the group then rewarded)."""
         index, j = map(int, c.key.split("/"))
+        sample = self._round.groups[index][j]
+        return self._place(c.key, extend(sample, c.token_ids, c.log_probs, c.status, self.engine.weight_version))
+
+    def _place(self, key: str, sample: Sample) -> int | None:
+        """Put a sample (generated further) in its group; the group's index if that finished (then rewarded)."""
+        index, j = map(int, key.split("/"))
         group = self._round.groups[index]
-        group[j] = extend(group[j], c.token_ids, c.log_probs, c.status, self.engine.weight_version)
+        group[j] = sample
         if not all(s.finished for s in group):
             return None
         self._reward(group)
