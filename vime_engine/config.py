@@ -339,6 +339,13 @@ class EngineConfig(BaseModel):
         return self.placement.actor_num_nodes * self.placement.actor_num_gpus_per_node
 
     @property
+    def rollout_engines(self) -> int:
+        """vLLM engines of the rollout group: `--rollout-num-gpus / --rollout-num-gpus-per-engine` (one without
+        `--rollout-num-gpus`)."""
+        r = self.rollout
+        return 1 if r.rollout_num_gpus is None else r.rollout_num_gpus // r.rollout_num_gpus_per_engine
+
+    @property
     def model_parallel_size(self) -> int:
         """Tensor × pipeline × context parallel size (1 for the torch backend)."""
         m = self.megatron

@@ -99,12 +99,25 @@ def _check_parallel_layout(cfg: EngineConfig) -> None:
             f"--colocate runs one trainer rank beside the rollout engine, but {ranks}: drop --colocate to run "
             "the trainer group and the engine on their own devices"
         )
+    _check_rollout_layout(cfg)
+
+
+def _check_rollout_layout(cfg: EngineConfig) -> None:
+    """The rollout devices must split into whole engines; colocated runs have exactly one engine."""
     r = cfg.rollout
-    if r.rollout_num_gpus is not None and r.rollout_num_gpus != r.rollout_num_gpus_per_engine:
+    per_engine = r.rollout_num_gpus_per_engine
+    if per_engine < 1:
+        raise ConfigError(f"--rollout-num-gpus-per-engine {per_engine}: an engine needs at least 1 device")
+    if r.rollout_num_gpus is not None and (r.rollout_num_gpus < per_engine or r.rollout_num_gpus % per_engine):
         raise ConfigError(
-            f"--rollout-num-gpus {r.rollout_num_gpus} asks for {r.rollout_num_gpus / r.rollout_num_gpus_per_engine:g} "
-            f"engines of --rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine}; a run has one vLLM engine "
-            "today: set --rollout-num-gpus equal to --rollout-num-gpus-per-engine, or leave it out"
+            f"--rollout-num-gpus {r.rollout_num_gpus} does not split into engines of --rollout-num-gpus-per-engine "
+            f"{per_engine}: use a multiple of {per_engine}"
+        )
+    if cfg.placement.colocate and cfg.rollout_engines > 1:
+        raise ConfigError(
+            f"--colocate runs one engine inside the trainer's actor, but --rollout-num-gpus {r.rollout_num_gpus} / "
+            f"--rollout-num-gpus-per-engine {per_engine} asks for {cfg.rollout_engines} engines (colocating engine i "
+            "beside trainer rank i is not built yet): drop --colocate, or --rollout-num-gpus"
         )
 
 

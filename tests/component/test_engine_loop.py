@@ -55,7 +55,8 @@ def _run(inputs, name: str, **flags):
 PLACEMENTS = {
     "colocated": {"colocate": True},
     "disaggregated": {},
-    "disaggregated-broadcast": {"weight-sync": "broadcast"},
+    # Two engines (the rollout group): each sync is one broadcast to both, each rollout spread over both.
+    "two-engines-broadcast": {"weight-sync": "broadcast", "rollout-num-gpus": 2},
 }
 
 

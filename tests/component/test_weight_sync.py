@@ -56,17 +56,17 @@ def test_sync_makes_rollout_log_probs_match_trainer(cfg, cluster, kind):
         assert workers.weight_sync.kind == kind
         plan = train_plan(cfg)
         workers.sync_weights(0)
-        first = ray.get(workers.generate(RECORDS, 0, 0, plan))
+        first = workers.generate(RECORDS, 0, 0, plan).result()
         assert _max_gap(workers, first) <= 1e-5  # version 0: both ends hold the checkpoint
 
         workers.train(first)
-        stale = ray.get(workers.generate(RECORDS, 1, 0, plan))
+        stale = workers.generate(RECORDS, 1, 0, plan).result()
         assert {s.weight_version for s in stale} == {0}
         assert _max_gap(workers, stale) > 1e-3  # trainer moved, engine did not
 
         for version in (1, 2):  # a second sync exercises the already-formed group
             workers.sync_weights(version)
-            fresh = ray.get(workers.generate(RECORDS, 1 + version, 0, plan))
+            fresh = workers.generate(RECORDS, 1 + version, 0, plan).result()
             assert {s.weight_version for s in fresh} == {version}
             assert _max_gap(workers, fresh) <= 1e-5
             if version == 1:

@@ -22,9 +22,9 @@ REQUIRED = {"hf-checkpoint": "/models/m", "prompt-data": "/data/p.jsonl"}
 
 # Fields read only through a derived value of EngineConfig, which is then read outside config.py.
 DERIVED = {"num_steps_per_rollout": "global_batch_size", "global_batch_size": "global_batch_size",
-           "eps_clip_high": "eps_clip_high"}
+           "eps_clip_high": "eps_clip_high", "rollout_num_gpus": "rollout_engines"}
 # Fields that cannot act yet and are refused when set (flag value that must raise ConfigError, and why).
-REFUSED = {"rollout_num_gpus": (["--rollout-num-gpus", "2"], "one vLLM engine a run until the rollout group")}
+REFUSED: dict[str, tuple[list[str], str]] = {}
 
 # vime's whole-rollout functions drive vime's own HTTP rollout servers, which this engine does not run.
 REFUSED.update({

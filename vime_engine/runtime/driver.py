@@ -34,8 +34,10 @@ class RunResult:
 
 
 def local_cluster_cpus(cfg: EngineConfig) -> int:
-    """Ray CPUs of a private local cluster: one per trainer rank and one for the engine, at least the machine's."""
-    return max(4, os.cpu_count() or 1, cfg.trainer_world_size + 1)
+    """Ray CPUs of a private local cluster: one per trainer rank and per engine device (colocated: the engine is in
+    the trainer's actor), at least the machine's."""
+    rollout_devices = 0 if cfg.placement.colocate else cfg.rollout_engines * cfg.rollout.rollout_num_gpus_per_engine
+    return max(4, os.cpu_count() or 1, cfg.trainer_world_size + rollout_devices)
 
 
 def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: RolloutCallback | None = None) -> RunResult:

@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from vime_engine import checkpoint as ckpt
 from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.data.prompt_length import load_prompts
@@ -89,11 +87,11 @@ class RunContext:
         """The next round of `rollout_id`: watched as it runs with --partial-rollout, else generated whole."""
         if round_ == 0 and self._prefetched is not None and self._prefetched[0] == rollout_id:
             future, self._prefetched, self._cursor_before_prefetch = self._prefetched[1], None, None
-            return FinishedRound(ray.get(future))
+            return FinishedRound(future.result())
         records, first_group = self._draw(len(resumed))
         if self.cfg.rollout.partial_rollout:
             return self.workers.stream(records, resumed, rollout_id, first_group, self.plan)
-        return FinishedRound(ray.get(self.workers.generate(records, rollout_id, first_group, self.plan)))
+        return FinishedRound(self.workers.generate(records, rollout_id, first_group, self.plan).result())
 
     # -- bookkeeping --------------------------------------------------------------------------------------------
     def log_rollout(self, rollout_id: int, metrics: dict[str, Any], write: bool = True) -> None:
@@ -188,7 +186,7 @@ def run_evaluations(cfg: EngineConfig, workers: Workers, rollout_id: int) -> dic
     for name, path in cfg.eval_datasets:
         records = load_prompts(cfg, path, e.eval_input_key or cfg.data.input_key,
                                e.eval_label_key or cfg.data.label_key)
-        samples = ray.get(workers.generate(records, max(rollout_id, 0), 0, plan(name)))
+        samples = workers.generate(records, max(rollout_id, 0), 0, plan(name)).result()
         values, rows = summarize(name, samples, e.n_samples_per_eval_prompt)
         write_results(Path(cfg.logging.output_dir) / "eval" / f"{name}_rollout_{rollout_id + 1:07d}.jsonl", rows)
         metrics.update(values)

@@ -21,19 +21,19 @@ from typing import Any
 
 import ray
 import torch
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.manifest import FileEntry
 from vime_engine.runtime.devices import Accelerator
+from vime_engine.runtime.placement import actor_resources, bundle_resources, describe, reserve
 from vime_engine.sample import Sample
 from vime_engine.train.backend import TrainBackend, build_train_backend
 from vime_engine.weight_sync.buckets import TensorSpec, specs_of
 from vime_engine.weight_sync.endpoints import BroadcastSender
 from vime_engine.weight_sync.group import GroupAddress
 
-PLACEMENT_TIMEOUT_S = 120
 DIST_TIMEOUT = timedelta(minutes=30)  # a collective may wait behind a whole rollout on another rank
 
 
@@ -93,8 +93,8 @@ class TrainerRank:
     def weight_specs(self) -> list[TensorSpec]:
         return specs_of(self.backend.named_weights())
 
-    def open_weight_sender(self, dist_backend: str, bucket_bytes: int) -> GroupAddress:
-        self.sender = BroadcastSender(dist_backend, self.device, bucket_bytes)
+    def open_weight_sender(self, dist_backend: str, bucket_bytes: int, receivers: int) -> GroupAddress:
+        self.sender = BroadcastSender(dist_backend, self.device, bucket_bytes, receivers)
         return self.sender.address
 
     def send_weights(self, version: int) -> int:
@@ -116,39 +116,19 @@ def world_size(cfg: EngineConfig) -> int:
     return cfg.placement.actor_num_nodes * cfg.placement.actor_num_gpus_per_node
 
 
-def _bundle(accel: Accelerator, devices: int) -> dict[str, float]:
-    if accel.ray_resource is None:
-        return {"CPU": devices}
-    return {accel.ray_resource: devices, "CPU": devices}
-
-
-def _actor_resources(accel: Accelerator) -> dict[str, Any]:
-    if accel.ray_resource is None:
-        return {"num_cpus": 1}
-    if accel.ray_resource == "GPU":
-        return {"num_cpus": 1, "num_gpus": 1}
-    return {"num_cpus": 1, "resources": {accel.ray_resource: 1}}
-
-
 def _place(cfg: EngineConfig, accel: Accelerator) -> PlacementGroup:
     """One bundle per node, on distinct nodes; fails naming the flags when the cluster cannot hold them."""
     p = cfg.placement
-    bundle = _bundle(accel, p.actor_num_gpus_per_node)
+    bundle = bundle_resources(accel, p.actor_num_gpus_per_node)
     fitting = [node for node in ray.nodes() if node["Alive"]
                and all(node["Resources"].get(k, 0) >= v for k, v in bundle.items())]
     asked = (f"--actor-num-nodes {p.actor_num_nodes} × --actor-num-gpus-per-node {p.actor_num_gpus_per_node} "
-             f"({', '.join(f'{v:g} {k}' for k, v in bundle.items())} on each of {p.actor_num_nodes} node(s))")
+             f"({describe(bundle)} on each of {p.actor_num_nodes} node(s))")
     if len(fitting) < p.actor_num_nodes:
         raise ConfigError(
             f"{asked}: the Ray cluster has {len(fitting)} node(s) that large; lower the counts or add nodes"
         )
-    group = placement_group([bundle] * p.actor_num_nodes,
-                            strategy="STRICT_SPREAD" if p.actor_num_nodes > 1 else "PACK")
-    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
-    if not ready:
-        remove_placement_group(group)
-        raise ConfigError(f"{asked}: not placed within {PLACEMENT_TIMEOUT_S}s (devices held by other work?)")
-    return group
+    return reserve([bundle] * p.actor_num_nodes, "STRICT_SPREAD" if p.actor_num_nodes > 1 else "PACK", asked)
 
 
 class TrainerGroup:
@@ -163,7 +143,7 @@ class TrainerGroup:
         env = {"runtime_env": {"env_vars": dict(accel.actor_env)}}
         remote_class = ray.remote(actor_class)
         self.ranks = [
-            remote_class.options(**env, **_actor_resources(accel), scheduling_strategy=in_bundle(node)).remote(
+            remote_class.options(**env, **actor_resources(accel), scheduling_strategy=in_bundle(node)).remote(
                 cfg, accel, RankAddress(node * p.actor_num_gpus_per_node + local, world_size(cfg), local, host, port),
                 *extra,
             )
@@ -201,8 +181,11 @@ class TrainerGroup:
         refs = [rank.weights.remote() for rank in self.ranks]
         return refs[0], refs[1:]
 
-    def open_weight_sender(self, dist_backend: str, bucket_bytes: int) -> tuple[GroupAddress, list[TensorSpec]]:
-        address = ray.get(self.leader.open_weight_sender.remote(dist_backend, bucket_bytes))
+    def open_weight_sender(
+        self, dist_backend: str, bucket_bytes: int, receivers: int,
+    ) -> tuple[GroupAddress, list[TensorSpec]]:
+        """Rank 0 serves the broadcast group's store for `receivers` engines; every rank's tensor specs."""
+        address = ray.get(self.leader.open_weight_sender.remote(dist_backend, bucket_bytes, receivers))
         return address, self._on_all(lambda r: r.weight_specs.remote())
 
     def send_weights(self, version: int) -> list[ray.ObjectRef]:

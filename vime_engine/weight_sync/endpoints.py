@@ -1,4 +1,7 @@
-"""The two ends of the broadcast weight sync: the trainer's sender and the rollout engine's receiver.
+"""The two ends of the broadcast weight sync: the trainer's sender and the rollout engines' receivers.
+
+One group per run: the sender is rank 0, the M engines of the rollout group are ranks 1..M, and every bucket is
+one broadcast to all of them at once.
 
 Wire format of one sync: a header of three int64 (version, bucket count, element count), then one flat
 tensor per bucket in plan order. Both ends derive the plan from the same tensor specs and bucket size; the
@@ -20,7 +23,7 @@ import torch
 from vime_engine.weight_sync.buckets import Bucket, TensorSpec, flatten, plan_buckets, unflatten
 from vime_engine.weight_sync.group import SENDER_RANK, GroupAddress, broadcast_, local_host, make_backend, open_store
 
-RECEIVER_RANK = 1
+FIRST_RECEIVER_RANK = 1
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # a receive may queue behind a whole rollout in async mode
 
 
@@ -29,19 +32,22 @@ def _header(version: int, plan: list[Bucket]) -> torch.Tensor:
 
 
 class BroadcastSender:
-    """Rank 0: serves the rendezvous store at construction; the group itself forms on the first send."""
+    """Rank 0 of a group with `receivers` receivers: serves the rendezvous store at construction; the group
+    itself forms on the first send."""
 
-    def __init__(self, backend: str, device: str, bucket_bytes: int, timeout: timedelta = DEFAULT_TIMEOUT):
+    def __init__(
+        self, backend: str, device: str, bucket_bytes: int, receivers: int = 1, timeout: timedelta = DEFAULT_TIMEOUT,
+    ):
         self.device = torch.device(device)
         self.bucket_bytes = bucket_bytes
         self.timeout = timeout
         host = local_host()
-        self._store = open_store(host, 0, SENDER_RANK, 2, timeout)
-        self.address = GroupAddress(host, self._store.port, 2, backend)
+        self._store = open_store(host, 0, SENDER_RANK, receivers + 1, timeout)
+        self.address = GroupAddress(host, self._store.port, receivers + 1, backend)
         self._group = None
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Broadcast every tensor; returns the bytes sent. Blocks until the receiver has taken each bucket."""
+        """Broadcast every tensor; returns the bytes sent. Blocks until every receiver has taken each bucket."""
         tensors = dict(named_tensors)
         plan = plan_buckets([TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], self.bucket_bytes)
         if self._group is None:
@@ -53,13 +59,17 @@ class BroadcastSender:
 
 
 class BroadcastReceiver:
-    """Rank 1: joins the sender's store; `stream(version)` yields named tensors as their buckets arrive."""
+    """Rank `rank` (1..M): joins the sender's store; `stream(version)` yields named tensors as their buckets
+    arrive."""
 
     def __init__(
         self, address: GroupAddress, specs: list[TensorSpec], bucket_bytes: int, device: str,
-        timeout: timedelta = DEFAULT_TIMEOUT,
+        rank: int = FIRST_RECEIVER_RANK, timeout: timedelta = DEFAULT_TIMEOUT,
     ):
+        if not FIRST_RECEIVER_RANK <= rank < address.world_size:
+            raise ValueError(f"weight sync: receiver rank {rank} outside 1..{address.world_size - 1}")
         self.address = address
+        self.rank = rank
         self.device = torch.device(device)
         self.timeout = timeout
         self.plan = plan_buckets(specs, bucket_bytes)
@@ -68,8 +78,9 @@ class BroadcastReceiver:
 
     def _connect(self) -> None:
         if self._group is None:
-            self._store = open_store(self.address.host, self.address.port, RECEIVER_RANK, 2, self.timeout)
-            self._group = make_backend(self.address, self._store, RECEIVER_RANK, self.timeout)
+            self._store = open_store(self.address.host, self.address.port, self.rank, self.address.world_size,
+                                     self.timeout)
+            self._group = make_backend(self.address, self._store, self.rank, self.timeout)
 
     def stream(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         self._connect()

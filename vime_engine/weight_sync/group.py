@@ -1,4 +1,5 @@
-"""A two-party process group for weight transfer that leaves torch's default group alone.
+"""A private process group for weight transfer (the trainer's rank 0 and the rollout engines) that leaves torch's
+default group alone.
 
 vLLM initialises torch.distributed's default (world) group inside the rollout process, so the transfer group
 cannot be another `init_process_group`. Instead each side builds a backend object directly on a private
@@ -6,7 +7,7 @@ TCPStore (wrapped in a PrefixStore so the keys cannot collide with anyone else's
 with group-local ranks. Nothing is registered globally, so neither side's default group is touched.
 
 Rendezvous is two-step: the sender (rank 0) opens the store's server without waiting for peers and
-publishes its port; both sides then construct the backend, which blocks until both have joined.
+publishes its port; every member then constructs the backend, which blocks until all have joined.
 """
 
 from __future__ import annotations
