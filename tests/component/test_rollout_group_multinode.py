@@ -1,0 +1,79 @@
+"""The rollout group across Ray nodes: three raylets on 127.0.0.1 with one CPU "device" each, the trainer on one,
+two engines (`--rollout-num-gpus 2`) on the other two; the broadcast weight sync crosses the nodes.
+
+As in test_trainer_group_multinode.py, Ray reads its settings when it is imported, so the cluster and the driver
+run in a fresh process with the auth token in its environment and Ray's loopback mode on.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import ray
+import torch
+
+from vime_engine.config import build_config
+from vime_engine.data.records import PromptRecord
+from vime_engine.models.builtin import materialize_builtin_model
+from vime_engine.rollout.worker import train_plan
+from vime_engine.runtime.cluster import SINGLE_NODE_SWITCH
+from vime_engine.runtime.devices import CPU
+from vime_engine.runtime.workers import Workers
+
+REPO = Path(__file__).resolve().parents[2]
+RECORDS = [PromptRecord([{"role": "user", "content": f"What is {a} + {b}?"}], str(a + b)) for a, b in
+           [(3, 4), (12, 9), (7, 21), (5, 5)]]
+
+
+def test_engines_on_their_own_nodes_load_every_sync():
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           SINGLE_NODE_SWITCH: "0"}
+    run = subprocess.run([sys.executable, "-m", "tests.component.test_rollout_group_multinode"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=420)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    assert "trainer and engines on three nodes, in sync" in run.stdout
+
+
+def _node_of(actor) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+
+
+def check_engines_on_their_own_nodes_load_every_sync(model: Path, output: Path) -> None:
+    cfg = build_config([], **{"hf-checkpoint": str(model), "prompt-data": "unused", "apply-chat-template": True,
+                              "rollout-batch-size": 4, "n-samples-per-prompt": 4, "rollout-max-response-len": 12,
+                              "lr": 2e-2, "vllm-kv-cache-gb": 0.25, "rollout-num-gpus": 2,
+                              "weight-sync": "broadcast", "output-dir": str(output)})
+    plan = train_plan(cfg)
+    with Workers(cfg, CPU) as workers:
+        nodes = [_node_of(actor) for actor in [workers.trainer.leader, *workers.rollout.engines]]
+        assert len(set(nodes)) == 3, nodes  # one CPU a node: the trainer and each engine on a node of its own
+        workers.sync_weights(0)
+        samples = workers.generate(RECORDS, 0, 0, plan).result()
+        workers.train(samples)
+        workers.sync_weights(1)  # one broadcast from the trainer's node to both engines' nodes
+        fresh = workers.generate(RECORDS, 1, 0, plan).result()
+        trainer_lp = workers.trainer.log_probs(fresh)
+        gap = (trainer_lp - torch.tensor([x for s in fresh for x in s.rollout_log_probs])).abs().max().item()
+        assert {s.weight_version for s in fresh} == {1} and gap <= 1e-5, gap
+    print("trainer and engines on three nodes, in sync")
+
+
+if __name__ == "__main__":
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        root = Path(tempfile.mkdtemp())
+        check_engines_on_their_own_nodes_load_every_sync(materialize_builtin_model("tiny-qwen3", root / "m"), root)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
