@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training of LLMs as a workflow.")
 console = Console()
 errors = Console(stderr=True, soft_wrap=True, highlight=False)  # soft_wrap: a long message stays one line
-VERBOSE_HELP = "on an error, print its traceback too (else one message)"
+VERBOSE_HELP = ("stream the engine's, Ray workers' and vLLM's output to the console (else to log files), and on "
+                "an error print its traceback too (else one message)")
 EXIT_USER_ERROR = 2  # input the user can fix: configuration, data, model directory, checkpoint
 EXIT_FAILURE = 1
 DEFAULT_TRAIN_CONFIG = "train-demo.yaml"  # shipped as package data in flows/configs/
@@ -42,25 +44,35 @@ def _cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def _fail(exc: BaseException, verbose: bool, user_errors: tuple[type[BaseException], ...] = ()) -> typer.Exit:
+def _fail(exc: BaseException, verbose: bool, user_errors: tuple[type[BaseException], ...] = (),
+          log_file: Path | None = None) -> typer.Exit:
     """End the command with one message on stderr (after the traceback with --verbose): exit 2 for input the
-    user can fix (the engine's errors of that kind, and `user_errors`), 1 for anything else."""
+    user can fix (the engine's errors of that kind, and `user_errors`), 1 for anything else. A failure of the
+    engine names its log (`log_file`, or the one an engine job's failure carries) and shows its last lines,
+    the failing worker's where the error names it."""
     import traceback
 
     from pydantic import ValidationError
     from rich.text import Text
 
+    from flows.console_view import failing_pid, log_tail
     from vime_engine.checkpoint import CheckpointError
     from vime_engine.config import ConfigError
     from vime_engine.data.datasets import DatasetError
 
     cause = _cause(exc)
+    message = str(cause) if verbose else getattr(cause, "summary", str(cause))  # an engine job: its last line
     if verbose:
         errors.print("".join(traceback.format_exception(exc)), markup=False, end="")
     if isinstance(cause, (ConfigError, DatasetError, CheckpointError, ValidationError, *user_errors)):
-        errors.print(Text("error: ", style="bold red") + Text(str(cause)))
+        errors.print(Text("error: ", style="bold red") + Text(message))
         return typer.Exit(EXIT_USER_ERROR)
-    errors.print(Text("error: ", style="bold red") + Text(f"{type(cause).__name__}: {cause}"))
+    errors.print(Text("error: ", style="bold red") + Text(f"{type(cause).__name__}: {message}"))
+    log_file = log_file or getattr(cause, "log_file", None)
+    if log_file is not None:
+        errors.print(Text(f"last lines of {log_file}:"))
+        for line in log_tail(Path(log_file), failing_pid(exc) or failing_pid(cause)):
+            errors.print(Text(f"  {line}"))
     if not verbose:
         errors.print("run again with --verbose for the traceback")
     return typer.Exit(EXIT_FAILURE)
@@ -120,29 +132,35 @@ def train(
     except Exception as exc:  # noqa: BLE001  (one message; the traceback only with --verbose)
         raise _fail(exc, verbose) from None
     keep_local_ray_on_loopback(cfg.placement.ray_address)  # before the driver imports Ray
+    from flows.console_view import LiveView, output_to_file, quiet_environment
     from vime_engine.runtime.driver import train as run_training
     from vime_engine.runtime.preemption import Preempted
 
-    progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console)
-    with progress:
-        task = progress.add_task("rollouts", total=cfg.rollout.num_rollout)
+    log_file = None if verbose else Path(cfg.logging.output_dir) / "logs" / "engine.log"
+    if log_file is not None:
+        quiet_environment()  # before Ray starts: its workers inherit the environment
+        console.print(f"engine and worker logs: {log_file}", soft_wrap=True, highlight=False)
+    failure = None
+    with contextlib.ExitStack() as stack:
+        screen = stack.enter_context(output_to_file(log_file)) if log_file is not None else console
+        view = stack.enter_context(LiveView(screen, cfg.rollout.num_rollout, "training"))
 
         def on_rollout(rollout_id: int, metrics: dict) -> None:
-            progress.console.print(_summary(rollout_id, metrics))
-            progress.update(task, completed=rollout_id + 1)
+            screen.print(_summary(rollout_id, metrics), highlight=False, soft_wrap=True)
+            view.rollout(rollout_id, metrics)
 
         try:
             result = run_training(cfg, on_rollout=on_rollout)
         except Preempted as exc:
-            console.print(f"[yellow]{exc}[/yellow]")
+            screen.print(f"[yellow]{exc}[/yellow]")
             raise typer.Exit(exc.exit_code) from None
-        except Exception as exc:  # noqa: BLE001
-            progress.stop()
-            raise _fail(exc, verbose) from None
-    console.print(f"metrics: {Path(cfg.logging.output_dir) / 'metrics.jsonl'}")
+        except Exception as exc:  # noqa: BLE001  (reported below, on the terminal again)
+            failure = exc
+    if failure is not None:
+        raise _fail(failure, verbose, log_file=log_file) from None
+    console.print(f"metrics: {Path(cfg.logging.output_dir) / 'metrics.jsonl'}", soft_wrap=True, highlight=False)
     if result.checkpoint is not None:
-        console.print(f"checkpoint: {result.checkpoint.path}")
+        console.print(f"checkpoint: {result.checkpoint.path}", soft_wrap=True, highlight=False)
 
 
 @app.command()
@@ -159,21 +177,30 @@ def run(
         params = load_params(config)
     except Exception as exc:  # noqa: BLE001
         raise _fail(exc, verbose, (OSError,)) from None
-    from flows.rl_pipeline import rl_pipeline
-    from tasks.engine_process import EngineConfigFailure
+    from flows.console_view import LiveView, PipelineFollower, quiet_environment
+    from flows.rl_pipeline import chunk_ranges, rl_pipeline
+    from tasks.engine_process import STREAM_ENGINE_OUTPUT, EngineConfigFailure
     from tasks.images import ImageCheckError
     from tasks.storage_errors import PermanentStorageError
 
-    if not verbose:
+    following = contextlib.nullcontext()
+    if verbose:
+        os.environ[STREAM_ENGINE_OUTPUT] = "1"
+    else:
+        quiet_environment()
         _console_logs_without_tracebacks()
+        plan = params.training
+        following = PipelineFollower(LiveView(console, plan.num_rollouts, "starting"), plan.rollouts_per_chunk,
+                                     len(chunk_ranges(plan.num_rollouts, plan.rollouts_per_chunk))).following()
     try:
-        outcome = rl_pipeline(**params.as_flow_kwargs())
+        with following:
+            outcome = rl_pipeline(**params.as_flow_kwargs())
     except Exception as exc:  # noqa: BLE001  (Prefect has logged the failed task; here one message)
         raise _fail(exc, verbose, (EngineConfigFailure, PermanentStorageError, ImageCheckError)) from None
     for key, value in outcome.summary.items():
         console.print(f"  {key:<32} {'—' if value is None else f'{value:.4g}'}")
-    console.print(f"report: [bold]{outcome.report_uri}[/bold]")
-    console.print(f"local copy: {Path(outcome.local_dir) / 'report.md'}")
+    console.print(f"report: [bold]{outcome.report_uri}[/bold]", soft_wrap=True, highlight=False)
+    console.print(f"local copy: {Path(outcome.local_dir) / 'report.md'}", soft_wrap=True, highlight=False)
 
 
 @app.command()

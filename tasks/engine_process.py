@@ -11,10 +11,15 @@ Exit code → what the Prefect task does:
 
 The child gets PR_SET_PDEATHSIG=SIGKILL, so a killed flow process never leaves an engine training on behind
 its back (a re-run would otherwise race it for the same checkpoint directory).
+
+The child's stdout and stderr (its own, Ray's, and every Ray worker's and vLLM engine's, which Ray forwards to
+the driver) go to a log file, appended to across attempts; a failure names the file. `STREAM_ENGINE_OUTPUT`=1
+in the environment (`vimeflow run --verbose`) streams them to the console instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -33,11 +38,21 @@ from tasks.storage_errors import TransientStorageError
 from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+STREAM_ENGINE_OUTPUT = "VIMEFLOW_STREAM_ENGINE_OUTPUT"
+ENGINE_LOG = "engine.log"
 RolloutCallback = Callable[[int, dict[str, Any]], None]
 
 
 class EngineFailure(RuntimeError):
-    """The engine process did not finish its job."""
+    """The engine process did not finish its job; `log_file` holds its output (None: it went to the console)."""
+
+    log_file: Path | None = None
+
+    @property
+    def summary(self) -> str:
+        """The message's last line (before the log's name): for a traceback, the exception that ended the engine."""
+        lines = [line for line in str(self).splitlines() if line.strip() and not line.startswith("(engine log: ")]
+        return lines[-1] if lines else type(self).__name__
 
 
 class InfrastructureFailure(EngineFailure):
@@ -93,9 +108,14 @@ def _watch_metrics(path: Path, on_record: RolloutCallback, stop: threading.Event
     scan()
 
 
+def streams_engine_output() -> bool:
+    return os.environ.get(STREAM_ENGINE_OUTPUT) == "1"
+
+
 def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None = None,
-                   on_record: RolloutCallback | None = None) -> EngineRun:
-    """Write the job, run the child, classify its exit. `on_record` sees each new metrics record."""
+                   on_record: RolloutCallback | None = None, log_file: Path | None = None) -> EngineRun:
+    """Write the job, run the child, classify its exit. `on_record` sees each new metrics record; the child's
+    output goes to `log_file` (default `job_dir/engine.log`) unless the engine output is streamed."""
     import time
 
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -109,10 +129,18 @@ def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None
     if metrics_file is not None and on_record is not None:
         watcher = threading.Thread(target=_watch_metrics, args=(metrics_file, on_record, stop), daemon=True)
         watcher.start()
+    log_file = None if streams_engine_output() else (log_file or job_dir / ENGINE_LOG)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "tasks.chunk_runner", str(job_path)], env=env,
-                              preexec_fn=_die_with_parent, check=False)
+        with contextlib.ExitStack() as files:
+            output = None
+            if log_file is not None:
+                log_file.parent.mkdir(parents=True, exist_ok=True)
+                output = files.enter_context(log_file.open("a"))
+                output.write(f"=== {job['mode']} job {job_path} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+                output.flush()
+            proc = subprocess.run([sys.executable, "-m", "tasks.chunk_runner", str(job_path)], env=env,
+                                  preexec_fn=_die_with_parent, check=False, stdout=output, stderr=output)
     finally:
         stop.set()
         if watcher is not None:
@@ -122,7 +150,11 @@ def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None
     result = json.loads(result_path.read_text()) if result_path.is_file() else None
     if proc.returncode == EXIT_OK and result is not None and "value" in result:
         return EngineRun(result["value"], float(result["engine_seconds"]), wall)
-    raise failure_for_exit(proc.returncode, result)
+    failure = failure_for_exit(proc.returncode, result)
+    if log_file is not None:
+        failure.log_file = log_file
+        failure.args = (f"{failure}\n(engine log: {log_file})",)
+    raise failure
 
 
 def failure_for_exit(code: int, result: dict[str, Any] | None) -> EngineFailure:
@@ -139,11 +171,11 @@ def failure_for_exit(code: int, result: dict[str, Any] | None) -> EngineFailure:
     if error.get("kind") == LOST:
         return InfrastructureFailure(
             f"engine exit {code} without reporting an outcome: the process was ended from below Python, as Ray "
-            "ends its driver when the local raylet or object store dies (see the engine log above)")
+            "ends its driver when the local raylet or object store dies (see the engine log)")
     if code == EXIT_CONFIG_ERROR:
         return EngineConfigFailure(error.get("message", "configuration error"))
     return EngineCodeFailure(error.get("traceback") or error.get("message")
-                             or f"engine exit {code} before the runner started (see its output above)")
+                             or f"engine exit {code} before the runner started (see its output)")
 
 
 # Prefect retry condition: retry only what another attempt can fix.

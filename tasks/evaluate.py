@@ -90,7 +90,8 @@ def evaluate(job: EngineJob, layout: RunLayout, checkpoint: ChunkOutcome) -> Eva
         flags.pop(flag, None)
     flags.update({"save": None, "load": str(load_root), "num-rollout": 0, "output-dir": str(out),
                   "save-hf": str(out / "hf")})
-    run = run_engine_job({"mode": "evaluate", "flags": flags}, work / "job")
+    run = run_engine_job({"mode": "evaluate", "flags": flags}, work / "job",
+                         log_file=Path(layout.work_dir) / "logs" / f"export-rollout_{rollout_id:07d}.log")
     for name, value in sorted(metrics.items()):
         if "/" not in name[5:]:
             logger.info("%s = %.4f", name, value)

@@ -7,6 +7,7 @@ final training checkpoint stays where train_chunk committed it; the report and l
 
 from __future__ import annotations
 
+import base64
 import json
 import platform
 import re
@@ -183,6 +184,15 @@ def render_report(job: EngineJob, layout: RunLayout, summary: dict[str, float | 
     return "\n".join(lines)
 
 
+def embed_plots(report: str, plots_dir: Path, plots: list[str]) -> str:
+    """The report with its plots inline as data: URIs, so that it shows them where it has no files beside it
+    (the Prefect UI renders a markdown artifact's images by URL, and a relative path resolves to nothing)."""
+    for name in plots:
+        data = base64.b64encode((plots_dir / name).read_bytes()).decode()
+        report = report.replace(f"![{name}](plots/{name})", f"![{name}](data:image/png;base64,{data})")
+    return report
+
+
 @task(name="publish", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_on(TransientStorageError))
 def publish(job: EngineJob, layout: RunLayout, publish_prefix: str, chunks: list[ChunkOutcome],
             evaluation: EvalOutcome, model: StagedAsset, datasets: list[StagedAsset],
@@ -212,7 +222,14 @@ def publish(job: EngineJob, layout: RunLayout, publish_prefix: str, chunks: list
     logger.info("report: %s", report_uri)
 
     akey = layout.artifact_key
-    create_markdown_artifact(report, key=f"{akey}-report", description="vimeflow run report")
+    create_markdown_artifact(embed_plots(report, out / "plots", plots), key=f"{akey}-report",
+                             description="vimeflow run report")
+    n = job.flags.get("n-samples-per-eval-prompt", 1)
+    eval_rows = [{"eval set": d["name"], "metric": metric or f"avg@{n}", "before training": before, "final": final}
+                 for d in lineage["parameters"]["evaluation"]["datasets"]
+                 for metric, before, final in _eval_rows(d["name"], summary)]
+    if eval_rows:
+        create_table_artifact(eval_rows, key=f"{akey}-eval", description="evaluation: before training and final")
     columns = ["rollout/raw_reward", "rollout/response_len/mean", "train/train_rollout_logprob_abs_diff",
                *eval_keys(history)]
     create_table_artifact([{"rollout": r["rollout_id"], **{k: r.get(k) for k in columns}} for r in history],

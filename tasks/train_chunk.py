@@ -22,6 +22,10 @@ from tasks.run_layout import EngineJob, RunLayout, localize
 from tasks.storage import join_key, open_storage
 from vime_engine import checkpoint as ckpt
 
+# Attributes of this task's log records, beside the message, for a console that follows the run in process.
+ROLLOUT_RECORD = "vimeflow_rollout"  # the metrics record of one rollout (or evaluation)
+ENGINE_LOG_FILE = "vimeflow_engine_log"  # where the engine's and its workers' output goes
+
 
 @dataclass(frozen=True)
 class ChunkOutcome:
@@ -91,13 +95,18 @@ def train_chunk(job: EngineJob, layout: RunLayout, start: int, count: int,
         description=f"rollouts done of {total} (run {layout.run_name})")
 
     def on_record(rollout_id: int, record: dict[str, Any]) -> None:
-        logger.info(_format_rollout(rollout_id, record))
+        # extra: the record itself, for a console's live view (flows/console_view.py); the UI shows the line
+        logger.info(_format_rollout(rollout_id, record),
+                    extra={ROLLOUT_RECORD: {**record, "rollout_id": rollout_id, "chunk_start": start}})
         if "rollout/raw_reward" in record:
             update_progress_artifact(progress_id, 100.0 * (rollout_id + 1) / total)
 
+    log_file = Path(layout.work_dir) / "logs" / f"chunk-{start:07d}.log"
+    logger.info("engine and worker logs: %s", log_file, extra={ENGINE_LOG_FILE: str(log_file)})
     run = run_engine_job({"mode": "train", "flags": flags, "start": start, "count": count},
                          Path(layout.work_dir) / "jobs" / f"chunk-{start:07d}",
-                         metrics_file=Path(flags["output-dir"]) / "metrics.jsonl", on_record=on_record)
+                         metrics_file=Path(flags["output-dir"]) / "metrics.jsonl", on_record=on_record,
+                         log_file=log_file)
     value = run.value
     if value["resumed_from"] is not None and value["resumed_from"] >= start:
         logger.info("resumed inside the chunk from rollout %d", value["resumed_from"])

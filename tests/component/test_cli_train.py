@@ -42,6 +42,14 @@ def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path,
     run = _vimeflow(*flags, *scaled_down)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "rollout    1 | reward" in run.stdout
+    # A quiet console: the live view and a line per rollout; Ray's, the workers' and vLLM's output is in the log.
+    console = (run.stdout + run.stderr).splitlines()
+    assert len(console) <= 8, "\n".join(console)  # the log's name, 2 rollouts, the bar, metrics, checkpoint
+    assert not any("pid=" in line or "WARNING" in line for line in console), "\n".join(console)
+    log = out / "logs" / "engine.log"
+    assert f"engine and worker logs: {log}" in run.stdout
+    logged = log.read_text()
+    assert "(TrainerRank pid=" in logged and "(RolloutActor pid=" in logged and "Initializing a V1 LLM engine" in logged
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_lines = [line for line in lines if "train/kl_loss" in line]
     assert [line["rollout_id"] for line in train_lines] == [0, 1]

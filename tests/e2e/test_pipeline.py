@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from tasks.publish import embed_plots
 from tests.e2e.conftest import DeployedRun, tiny_parameters
 from tests.support.prefect_server import PrefectAPI, task_runs_of
 
@@ -59,9 +61,25 @@ def test_every_stage_ran_and_the_published_report_is_consistent(prefect_api: Pre
     assert {"markdown", "table", "progress"} <= kinds, kinds
     links = {a["key"].rsplit("-link-", 1)[1]: a["data"] for a in artifacts if a["key"] and "-link-" in a["key"]}
     assert set(links) == {"report", "checkpoint", "hf-export"} and lineage["chunks"][-1]["checkpoint"] in links["checkpoint"]
-    assert any(a["type"] == "markdown" and a["data"] == report for a in artifacts)
+    plots = sorted(png.name for png in (out / "plots").glob("*.png"))
+    # The UI's copy of the report carries its plots inline (tests/e2e/test_ui_artifacts.py sees them rendered).
+    assert any(a["type"] == "markdown" and a["data"] == embed_plots(report, out / "plots", plots) for a in artifacts)
+    [eval_table] = [json.loads(a["data"]) for a in artifacts if a["key"] and a["key"].endswith("-eval")]
+    assert {"eval set": "aime", "metric": "avg@2", "before training": before["eval/aime"],
+            "final": final["eval/aime"]} in eval_table
     progress = sorted(a["data"] for a in artifacts if a["type"] == "progress")
     assert progress == [50.0, 100.0]  # one per chunk: chunk 1 ends half way, chunk 2 at the end
+
+    # The engine's output (Ray, its workers, vLLM) went to one log a job under the run's work dir.
+    from tasks.run_layout import make_layout
+    from vime_engine.assets import cache_dir
+
+    layout = make_layout(deployed_run.storage_root.as_uri(), lineage["config"]["identity_hash"][:12])
+    logs = Path(layout.work_dir) / "logs"
+    assert cache_dir() in Path(layout.work_dir).parents
+    assert sorted(f.name for f in logs.glob("*.log")) == ["chunk-0000000.log", "chunk-0000002.log",
+                                                         "export-rollout_0000003.log"]
+    assert "(RolloutActor pid=" in (logs / "chunk-0000002.log").read_text()
 
 
 def test_parameters_round_trip(prefect_api: PrefectAPI, deployed_run: DeployedRun):

@@ -53,6 +53,7 @@ def prefect_api(tmp_path_factory) -> Iterator[PrefectAPI]:
            "VIMEFLOW_CACHE": str(tmp_path_factory.mktemp("vimeflow-cache")),
            "VIMEFLOW_RAY_TMP": ray_tmp}
     server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    server_env["PREFECT_UI_API_URL"] = url  # the UI's pages call this API (else the default port 4200)
     proc = start_server("127.0.0.1", port, server_env, log_file=home / "server.log")
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # child processes and in-process clients of this session talk to this server

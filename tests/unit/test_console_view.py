@@ -1,0 +1,52 @@
+"""The console's pieces: the engine output redirected to a file, the failing worker's last lines, the one-line
+summary of an engine failure, the report's plots inline for the Prefect UI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from flows.console_view import failing_pid, log_tail, output_to_file
+from tasks.engine_process import EngineCodeFailure
+from tasks.publish import embed_plots
+
+
+def test_output_to_file_sends_every_writer_to_the_log_and_keeps_a_terminal_console(tmp_path, capfd):
+    log = tmp_path / "logs" / "engine.log"
+    with output_to_file(log) as screen:
+        print("from python", file=sys.__stdout__, flush=True)  # pytest's capture replaces sys.stdout
+        os.write(2, b"from a C library\n")
+        subprocess.run([sys.executable, "-c", "print('from a child process')"], check=True)
+        screen.print("live view")
+    os.write(1, b"after\n")
+    captured = capfd.readouterr()
+    assert log.read_text().splitlines() == ["from python", "from a C library", "from a child process"]
+    assert captured.out.splitlines() == ["live view", "after"] and captured.err == ""
+
+
+def test_log_tail_keeps_the_failing_workers_lines_without_colours(tmp_path):
+    log = tmp_path / "engine.log"
+    lines = [f"\x1b[36m(TrainerRank pid=7)\x1b[0m step {i}" for i in range(20)]
+    lines += ["\x1b[36m(RolloutActor pid=70)\x1b[0m generating", "driver line"]
+    log.write_text("\n".join(lines) + "\n")
+    assert log_tail(log, pid=7, lines=2) == ["(TrainerRank pid=7) step 18", "(TrainerRank pid=7) step 19"]
+    assert log_tail(log, lines=2) == ["(RolloutActor pid=70) generating", "driver line"]
+    assert log_tail(log, pid=12345, lines=1) == ["driver line"]  # no line of that worker: the log's last
+    assert log_tail(tmp_path / "missing.log") == []
+
+
+def test_an_engine_failure_reads_as_its_last_line_and_names_the_worker():
+    traceback = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                 "ray.exceptions.RayTaskError(ValueError): ray::TrainerRank.train() (pid=4242, ip=127.0.0.1)\n"
+                 "ValueError: values must be flat\n(engine log: /w/logs/chunk-0000000.log)")
+    failure = EngineCodeFailure(traceback)
+    assert failure.summary == "ValueError: values must be flat"
+    assert failing_pid(failure) == 4242 and failing_pid(ValueError("no worker")) is None
+
+
+def test_embed_plots_inlines_each_plot_as_a_data_uri(tmp_path):
+    (tmp_path / "reward.png").write_bytes(b"\x89PNG\r\n\x1a\nfake")
+    report = "## Plots\n\n![reward.png](plots/reward.png)\n"
+    assert embed_plots(report, tmp_path, ["reward.png"]) == (
+        "## Plots\n\n![reward.png](data:image/png;base64,iVBORw0KGgpmYWtl)\n")
