@@ -1,5 +1,6 @@
 """Megatron through the engine's own trainer group: ranks launched as Ray actors by `TrainerGroup` (gloo on CPU),
-TP=2 and DP=2 each reproducing one rank, and the distributed checkpoint saved by the group resuming in it.
+TP=2, PP=2 (one layer a stage; the tied embedding shared by the first and last stage) and DP=2 each reproducing
+one rank, and the distributed checkpoint saved by the group resuming in it.
 
 Every rank process installs the CPU shim through Ray's worker setup hook (tests only; on CUDA and Ascend the real
 calls apply).
@@ -49,8 +50,9 @@ def one_rank(tiny_qwen3, cluster):
 
 @pytest.mark.parametrize("layout", [
     {"tensor-model-parallel-size": 2, "actor-num-gpus-per-node": 2},
+    {"pipeline-model-parallel-size": 2, "actor-num-gpus-per-node": 2},
     {"actor-num-gpus-per-node": 2},
-], ids=["tp2", "dp2"])
+], ids=["tp2", "pp2", "dp2"])
 def test_group_of_two_ranks_trains_like_one(tiny_qwen3, one_rank, layout):
     metrics, weights, group = _trained(tiny_qwen3, **layout)
     try:

@@ -138,8 +138,9 @@ def transformer_config(arch: HFArchitecture, layout: ParallelLayout, dtype: torc
         tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
         context_parallel_size=layout.context, expert_model_parallel_size=layout.expert,
         sequence_parallel=layout.sequence_parallel,
-        # Micro-batches are padded to their own longest sample, so pipeline stages exchange varying shapes.
-        variable_seq_lengths=layout.pipeline > 1,
+        # Micro-batches are padded to their own longest sample, so pipeline stages exchange varying shapes; Megatron
+        # checks the MoE dispatcher allows that even for dense models (none dispatches here).
+        variable_seq_lengths=layout.pipeline > 1, moe_token_dispatcher_type="alltoall",
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=use_cpu_initialization,
         masked_softmax_fusion=fused, bias_activation_fusion=fused, bias_dropout_fusion=fused,
