@@ -116,6 +116,22 @@ def _summary(rollout_id: int, m: dict) -> str:
     return " | ".join(parts)
 
 
+def _summary_lines(summary: dict[str, float | None]) -> list[str]:
+    """The run's summary, a line a quantity; an evaluation's `before` and `final` share one (before → final)."""
+    def fmt(value: float | None) -> str:
+        return "—" if value is None else f"{value:.4g}"
+
+    lines = []
+    for key, value in summary.items():
+        if key.endswith(" final") and f"{key.removesuffix(' final')} before" in summary:
+            continue  # shown on its `before` line
+        if key.endswith(" before") and (final := f"{key.removesuffix(' before')} final") in summary:
+            lines.append(f"  {key.removesuffix(' before'):<32} {fmt(value)} → {fmt(summary[final])}")
+        else:
+            lines.append(f"  {key:<32} {fmt(value)}")
+    return lines
+
+
 @app.command(context_settings=_PASS_THROUGH)
 def train(
     ctx: typer.Context,
@@ -197,8 +213,8 @@ def run(
             outcome = rl_pipeline(**params.as_flow_kwargs())
     except Exception as exc:  # noqa: BLE001  (Prefect has logged the failed task; here one message)
         raise _fail(exc, verbose, (EngineConfigFailure, PermanentStorageError, ImageCheckError)) from None
-    for key, value in outcome.summary.items():
-        console.print(f"  {key:<32} {'—' if value is None else f'{value:.4g}'}")
+    for line in _summary_lines(outcome.summary):
+        console.print(line, highlight=False)
     console.print(f"report: [bold]{outcome.report_uri}[/bold]", soft_wrap=True, highlight=False)
     console.print(f"local copy: {Path(outcome.local_dir) / 'report.md'}", soft_wrap=True, highlight=False)
 
@@ -272,7 +288,7 @@ def convert(
     dest: Path = typer.Argument(..., help="where to write the converted checkpoint"),
     direction: str = typer.Option("hf_to_megatron", help="hf_to_megatron | megatron_to_hf"),
 ) -> None:
-    """Convert HF <-> Megatron torch_dist through Megatron-Bridge, verified by a round trip (needs megatron-core)."""
+    """Convert HF <-> Megatron torch_dist (the engine's own mapping), verified by a round trip (needs megatron-core)."""
     from vime_engine.convert import convert_checkpoint
     from vime_engine.runtime.devices import resolve_accelerator
 

@@ -50,3 +50,12 @@ def test_embed_plots_inlines_each_plot_as_a_data_uri(tmp_path):
     report = "## Plots\n\n![reward.png](plots/reward.png)\n"
     assert embed_plots(report, tmp_path, ["reward.png"]) == (
         "## Plots\n\n![reward.png](data:image/png;base64,iVBORw0KGgpmYWtl)\n")
+
+
+def test_the_run_summary_puts_an_evaluation_before_and_after_on_one_line():
+    from flows.cli import _summary_lines
+
+    lines = _summary_lines({"reward_first": 0.125, "step_time_mean": None, "eval/aime before": 0.0,
+                            "eval/aime final": 0.25, "eval/held-out final": 0.5})
+    assert [line.split() for line in lines] == [["reward_first", "0.125"], ["step_time_mean", "—"],
+                                                ["eval/aime", "0", "→", "0.25"], ["eval/held-out", "final", "0.5"]]
