@@ -139,8 +139,11 @@ def train(
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Run GRPO-style RL with vime flags, e.g. `vimeflow train --config my.yaml --num-rollout 20`."""
+    from flows.console_view import LiveView, output_to_file, quiet_environment
     from vime_engine.runtime.cluster import keep_local_ray_on_loopback
 
+    if not verbose:
+        quiet_environment()  # before a built-in model is written and Ray starts: both read it once
     try:
         from flows.configs import config_file
 
@@ -148,13 +151,11 @@ def train(
     except Exception as exc:  # noqa: BLE001  (one message; the traceback only with --verbose)
         raise _fail(exc, verbose) from None
     keep_local_ray_on_loopback(cfg.placement.ray_address)  # before the driver imports Ray
-    from flows.console_view import LiveView, output_to_file, quiet_environment
     from vime_engine.runtime.driver import train as run_training
     from vime_engine.runtime.preemption import Preempted
 
     log_file = None if verbose else Path(cfg.logging.output_dir) / "logs" / "engine.log"
     if log_file is not None:
-        quiet_environment()  # before Ray starts: its workers inherit the environment
         console.print(f"engine and worker logs: {log_file}", soft_wrap=True, highlight=False)
     failure = None
     with contextlib.ExitStack() as stack:
