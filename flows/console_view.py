@@ -28,6 +28,7 @@ from rich.progress import (
 # process, Ray workers) that inherits the environment.
 QUIET_ENVIRONMENT = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' / huggingface_hub's bars: model writes, weight loads
+    "TQDM_DISABLE": "1",  # plain tqdm bars, e.g. transformers' GGUF de-quantizing when the built-in model is made
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # the ephemeral server's telemetry: an ERROR line when offline
     # vLLM's triton dispatcher touches a deprecated torch attribute at import, twice per engine process
     "PYTHONWARNINGS": "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",

@@ -97,7 +97,7 @@ def convert_smollm2(dest: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A GGUF-derived config carries its quantisation and lacks `architectures`, which vLLM needs.
     config = model.config
