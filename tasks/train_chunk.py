@@ -92,7 +92,7 @@ def train_chunk(job: EngineJob, layout: RunLayout, start: int, count: int,
     total = int(flags["num-rollout"])
     progress_id = create_progress_artifact(
         progress=100.0 * start / total, key=f"{layout.artifact_key}-training",
-        description=f"rollouts done of {total} (run {layout.run_name})")
+        description=f"rollouts done of {total}; this chunk: {start}–{start + count - 1} (run {layout.run_name})")
 
     def on_record(rollout_id: int, record: dict[str, Any]) -> None:
         # extra: the record itself, for a console's live view (flows/console_view.py); the UI shows the line
