@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -44,6 +45,17 @@ def _cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def _is_user_error(cause: BaseException, user_errors: tuple[type[BaseException], ...] = ()) -> bool:
+    """Input the user can fix: the engine's errors of that kind, and `user_errors`."""
+    from pydantic import ValidationError
+
+    from vime_engine.checkpoint import CheckpointError
+    from vime_engine.config import ConfigError
+    from vime_engine.data.datasets import DatasetError
+
+    return isinstance(cause, (ConfigError, DatasetError, CheckpointError, ValidationError, *user_errors))
+
+
 def _fail(exc: BaseException, verbose: bool, user_errors: tuple[type[BaseException], ...] = (),
           log_file: Path | None = None) -> typer.Exit:
     """End the command with one message on stderr (after the traceback with --verbose): exit 2 for input the
@@ -52,19 +64,15 @@ def _fail(exc: BaseException, verbose: bool, user_errors: tuple[type[BaseExcepti
     the failing worker's where the error names it."""
     import traceback
 
-    from pydantic import ValidationError
     from rich.text import Text
 
     from flows.console_view import failing_pid, log_tail
-    from vime_engine.checkpoint import CheckpointError
-    from vime_engine.config import ConfigError
-    from vime_engine.data.datasets import DatasetError
 
     cause = _cause(exc)
     message = str(cause) if verbose else getattr(cause, "summary", str(cause))  # an engine job: its last line
     if verbose:
         errors.print("".join(traceback.format_exception(exc)), markup=False, end="")
-    if isinstance(cause, (ConfigError, DatasetError, CheckpointError, ValidationError, *user_errors)):
+    if _is_user_error(cause, user_errors):
         errors.print(Text("error: ", style="bold red") + Text(message))
         return typer.Exit(EXIT_USER_ERROR)
     errors.print(Text("error: ", style="bold red") + Text(f"{type(cause).__name__}: {message}"))
@@ -155,6 +163,7 @@ def train(
     from vime_engine.runtime.preemption import Preempted
 
     log_file = None if verbose else Path(cfg.logging.output_dir) / "logs" / "engine.log"
+    made = next((d for d in reversed(log_file.parents) if not d.exists()), None) if log_file else None
     if log_file is not None:
         console.print(f"engine and worker logs: {log_file}", soft_wrap=True, highlight=False)
     failure = None
@@ -174,6 +183,9 @@ def train(
         except Exception as exc:  # noqa: BLE001  (reported below, on the terminal again)
             failure = exc
     if failure is not None:
+        if made is not None and _is_user_error(_cause(failure)):  # refused before it started: nothing written
+            shutil.rmtree(made, ignore_errors=True)
+            log_file = None
         raise _fail(failure, verbose, log_file=log_file) from None
     console.print(f"metrics: {Path(cfg.logging.output_dir) / 'metrics.jsonl'}", soft_wrap=True, highlight=False)
     if result.checkpoint is not None:
