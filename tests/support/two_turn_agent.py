@@ -2,7 +2,8 @@
 tests/support/two_turn_agent.py:generate`): every episode is two model turns with an environment reply between
 them, whatever the model writes, so a tiny random model makes real multi-turn samples.
 
-It reads where a cut-off episode stood from the sample alone (a trailing run of trained tokens is an unfinished
+The first turn may take 4 up to `max_new_tokens` - 1 tokens, set by the sample's seed, so that conversations end at
+different engine steps (a partial rollout then has some to cut off). It reads where a cut-off episode stood from the sample alone (a trailing run of trained tokens is an unfinished
 turn), so partial rollout and a resume from the checkpoint's buffer continue it.
 """
 
@@ -15,11 +16,12 @@ TURNS = 2
 
 async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     engine = args.rollout_engine
+    longest = sampling_params["max_new_tokens"]
     while True:
         mask = sample.loss_mask
         open_turn = len(mask) - max((i + 1 for i, m in enumerate(mask) if not m), default=0)
-        output = await engine.generate(sample.tokens, {**sampling_params,
-                                                       "max_new_tokens": sampling_params["max_new_tokens"] - open_turn})
+        budget = longest if 0 in mask else 4 + sampling_params["sampling_seed"] % (longest - 4)  # 0: a reply came
+        output = await engine.generate(sample.tokens, {**sampling_params, "max_new_tokens": budget - open_turn})
         sample.append_response_tokens(args, tokens=output.token_ids, log_probs=output.log_probs,
                                       meta_info=output.meta_info)
         if output.finish_reason == "abort":
