@@ -95,3 +95,13 @@ def test_the_agent_runs_with_vimes_signature():
 
     fn = load_generate_function("vime_engine.agents.calculator_agent:generate")
     assert asyncio.iscoroutinefunction(fn)
+
+
+def test_the_shipped_agent_demo_config_runs_the_calculator_agent():
+    from flows.configs import config_file
+    from vime_engine.config import build_config
+
+    cfg = build_config(yaml_path=config_file("agent-demo.yaml"))
+    assert cfg.rollout.custom_generate_function_path == "vime_engine.agents.calculator_agent:generate"
+    assert cfg.reward.custom_rm_path == "vime_engine.agents.calculator_agent:final_answer_reward"
+    assert cfg.data.prompt_data == "builtin://calculator" and cfg.rollout.rollout_max_turns == 3
