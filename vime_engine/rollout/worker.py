@@ -19,6 +19,7 @@ import torch
 from vime_engine.config import EngineConfig
 from vime_engine.data.chat import render_prompt
 from vime_engine.data.records import PromptRecord
+from vime_engine.memory import release_free_heap
 from vime_engine.rewards import BatchRewardFn, RewardInput, extract_answer, get_batch_reward, run_reward
 from vime_engine.rollout.custom_generate import CustomRound, EngineClient, load_generate_function
 from vime_engine.rollout.partial import continuation, extend
@@ -112,6 +113,7 @@ class RolloutWorker:
     ) -> None:
         """Start a round: the unfinished samples of `resumed` groups first, then a group per record (numbered
         from `first_group`); nothing is generated until `advance`."""
+        release_free_heap()  # the last round's activations, of other shapes than this round's (vime_engine.memory)
         groups = resumed + [self._new_group(r, first_group + i, plan.n_samples) for i, r in enumerate(records)]
         requests, jobs, s = [], [], plan.sampling
         for group in groups:

@@ -46,6 +46,9 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None) -> Iter
         ray.init(
             address="local", _temp_dir=temp_dir, include_dashboard=False, log_to_driver=True,
             num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+            # No task table: the GCS keeps every task's events (up to 100k, ~500 B each) for the dashboard and
+            # `ray list tasks`, which a private cluster has no use for; a long run's GCS grew with it (bench/soak.py).
+            _system_config={"task_events_report_interval_ms": 0},
         )
         node_ip = ray.util.get_node_ip_address()
         if not ipaddress.ip_address(node_ip).is_loopback:
