@@ -82,6 +82,21 @@ class RolloutConfig(_Section):
     )
     rollout_num_gpus: int | None = None
     rollout_num_gpus_per_engine: int = 1
+    # slime's names: watch the disaggregated engines, restart a dead one and re-generate its groups.
+    use_fault_tolerance: bool = Field(
+        False, description="restart a rollout engine that dies or stops answering, reload the current weights "
+        "into it and generate its unfinished groups again (the same seeds: the same samples)"
+    )
+    rollout_health_check_interval: float = Field(30.0, gt=0, description="seconds between engine health checks")
+    rollout_health_check_timeout: float = Field(
+        30.0, gt=0, description="seconds an engine may take to answer a health check before it is restarted"
+    )
+    rollout_health_check_first_wait: float = Field(
+        0.0, ge=0, description="seconds after an engine (re)starts before its health checks begin"
+    )
+    rollout_max_engine_restarts: int = Field(
+        3, ge=0, description="engine restarts a run may make; one more death ends it with the retryable exit code"
+    )
     vllm_gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     vllm_max_model_len: int | None = None
     vllm_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
@@ -291,6 +306,8 @@ NON_MATH_FIELDS = {
     "eval_temperature", "eval_top_p", "eval_input_key", "eval_label_key", "eval_rm_type",
     "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "rollout_num_gpus", "rollout_num_gpus_per_engine",
     "actor_num_nodes", "actor_num_gpus_per_node", "weight_sync", "weight_sync_bucket_mb",
+    "use_fault_tolerance", "rollout_health_check_interval", "rollout_health_check_timeout",
+    "rollout_health_check_first_wait", "rollout_max_engine_restarts",
     "vllm_enforce_eager", "vllm_enable_prefix_caching", "vllm_enable_chunked_prefill", "vllm_max_num_batched_tokens",
 }
 

@@ -37,6 +37,7 @@ def check_combinations(cfg: EngineConfig) -> None:
     _check_kl_flags(a)
     if cfg.placement.async_rollout and cfg.placement.colocate:
         raise ConfigError("--async-rollout needs the rollout engine on its own actor: drop --colocate")
+    _check_fault_tolerance(cfg)
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError(
             f"--over-sampling-batch-size {r.over_sampling_batch_size} must be >= --rollout-batch-size "
@@ -119,6 +120,27 @@ def _check_rollout_layout(cfg: EngineConfig) -> None:
             f"--rollout-num-gpus-per-engine {per_engine} asks for {cfg.rollout_engines} engines (colocating engine i "
             "beside trainer rank i is not built yet): drop --colocate, or --rollout-num-gpus"
         )
+
+
+def _check_fault_tolerance(cfg: EngineConfig) -> None:
+    """What a restarted engine can rejoin: an own actor, the object-store sync, whole (not streamed) rollouts."""
+    p = cfg.placement
+    if not cfg.rollout.use_fault_tolerance:
+        return
+    why = None
+    if p.colocate:
+        why = "--colocate puts the engine inside the trainer's actor, which a restart would lose: drop --colocate"
+    elif p.weight_sync == "broadcast":
+        why = ("a restarted engine cannot join the running broadcast group (--weight-sync broadcast): "
+               "use --weight-sync object_store")
+    elif p.async_rollout:
+        why = ("a rollout prefetched under --async-rollout was started on weights the trainer has moved past, "
+               "so an engine restarted during it could not re-generate it: drop --async-rollout")
+    elif cfg.rollout.partial_rollout:
+        why = ("a --partial-rollout round is streamed group by group, which engine restarts do not re-run yet: "
+               "drop --partial-rollout")
+    if why:
+        raise ConfigError(f"--use-fault-tolerance: {why}")
 
 
 # vime's own whole-rollout functions; naming one of them asks for what our engine does anyway.

@@ -75,6 +75,7 @@ def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: Roll
                 **version_metrics(samples, state.weight_version - 1),  # the version just trained from
                 **collected.metrics(),
                 **train_metrics,
+                **workers.rollout.recovery_metrics(),
                 "perf/rollout_time": t1 - t0,
                 "perf/train_time": t2 - t1,
                 "perf/update_weights_time": t3 - t2,

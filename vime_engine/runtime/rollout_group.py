@@ -19,14 +19,28 @@ every engine still running for its next finished groups and returning them toget
 depends on M but never on timing. Where `--partial-rollout` cuts a round off therefore depends on M (an engine
 runs its own groups further than one engine would before reporting), so a partial rollout is reproducible for a
 given M, not across M.
+
+Fault tolerance (`--use-fault-tolerance`, slime's flags): while the driver waits for generation it watches the
+engines: a call that fails because its engine's process died (Ray's RayActorError) shows a death at once, and
+every `--rollout-health-check-interval` seconds the engines still working are asked for `health` (answered on a
+thread of its own, beside a running generation); one silent for `--rollout-health-check-timeout` is killed. A
+dead engine is replaced by a new actor in its bundle, which loads the current weights version
+(`resync`), and the calls it had not finished are sent to it again: the same groups from the same seeds, so the
+same samples. Past `--rollout-max-engine-restarts` restarts in a run, the next death ends it with an error
+raised from Ray's, which the chunk runner classifies as infrastructure (a retry resumes from the checkpoint).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
+from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -39,6 +53,9 @@ from vime_engine.sample import Sample
 from vime_engine.weight_sync.buckets import TensorSpec
 from vime_engine.weight_sync.endpoints import BroadcastReceiver, load_into_engine
 from vime_engine.weight_sync.group import GroupAddress
+
+log = logging.getLogger(__name__)
+HEALTH = "health"  # the concurrency group `health` runs in, so it answers while a generation runs
 
 
 class RolloutActor(RolloutWorker):
@@ -56,6 +73,33 @@ class RolloutActor(RolloutWorker):
 
     def loaded_weight_version(self) -> int:
         return self.weight_version
+
+    @ray.method(concurrency_group=HEALTH)
+    def health(self) -> int:
+        """Answers while the engine's process lives and Ray reaches it: the process id."""
+        return os.getpid()
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """How the group watches its engines (`--use-fault-tolerance` and slime's health-check flags)."""
+
+    interval: float  # seconds between health checks while generation is awaited
+    timeout: float  # seconds an engine may take to answer one
+    first_wait: float  # seconds after an engine (re)starts before it is checked
+    max_restarts: int  # restarts in a run; the next death ends it
+
+    @classmethod
+    def of(cls, cfg: EngineConfig) -> FaultTolerance | None:
+        r = cfg.rollout
+        if not r.use_fault_tolerance:
+            return None
+        return cls(r.rollout_health_check_interval, r.rollout_health_check_timeout,
+                   r.rollout_health_check_first_wait, r.rollout_max_engine_restarts)
+
+
+class EngineRestartsExhausted(RuntimeError):
+    """An engine died after the run used up its restarts; raised from Ray's error, so the chunk is retried."""
 
 
 def share_groups(
@@ -97,6 +141,17 @@ class Share:
     work: int  # response tokens it may generate
 
 
+@dataclass(frozen=True)
+class GenerateCall:
+    """One engine's generate call of a `RolloutGroup.generate`: enough to send it again to a restarted engine."""
+
+    share: Share
+    rollout_id: int
+    plan: GenerationPlan
+    actor: object  # the engine's actor handle the call went to
+    ref: ray.ObjectRef
+
+
 def _remaining_tokens(group: list[Sample], max_tokens: int) -> int:
     return sum(max_tokens - s.response_length for s in group if not s.finished)
 
@@ -108,11 +163,15 @@ def _by_group_index(groups: list[list[Sample]]) -> list[list[Sample]]:
 class PendingSamples:
     """Samples being generated on one or more engines; `result()` waits for them, in group-index order."""
 
-    def __init__(self, parts: list[ray.ObjectRef]):
-        self.parts = parts
+    def __init__(self, group: RolloutGroup, calls: list[GenerateCall]):
+        self.group, self.calls = group, calls
 
     def result(self) -> list[Sample]:
-        samples = [s for part in ray.get(self.parts) for s in part]
+        if self.group.fault_tolerance is None:
+            parts = ray.get([call.ref for call in self.calls])
+        else:
+            parts = self.group.collect(self.calls)
+        samples = [s for part in parts for s in part]
         return sorted(samples, key=lambda s: s.group_index)  # stable: a group's samples keep their order
 
 
@@ -139,10 +198,17 @@ class GroupRound:
 class RolloutGroup:
     """The driver's handle on every engine: generation spread over them, weight versions checked together."""
 
-    def __init__(self, engines: list, placement: PlacementGroup | None = None):
+    def __init__(self, engines: list, placement: PlacementGroup | None = None,
+                 start_engine: Callable[[int], object] | None = None):
         self.engines = engines
         self.placement = placement  # None: the engines belong to someone else (the colocated trainer group)
+        self._start_engine = start_engine  # a new actor for engine i, in bundle i
         self._outstanding: list[dict[ray.ObjectRef, int]] = [{} for _ in engines]
+        self.fault_tolerance: FaultTolerance | None = None
+        self._resync: Callable[[object], None] | None = None
+        self._started = [time.monotonic()] * len(engines)
+        self.restarts = 0
+        self.recovery_seconds: list[float] = []  # per restart: from the death seen to the new engine loaded
 
     @classmethod
     def launch(cls, cfg: EngineConfig, accel: Accelerator, kv_cache_bytes: int | None) -> RolloutGroup:
@@ -152,15 +218,15 @@ class RolloutGroup:
         asked = (f"--rollout-num-gpus {count * per_engine} = {count} engine(s) × --rollout-num-gpus-per-engine "
                  f"{per_engine} ({describe(bundle)} each)")
         placement = reserve([bundle] * count, "PACK", asked)
-        remote_class = ray.remote(RolloutActor)
-        engines = [
-            remote_class.options(
+        remote_class = ray.remote(concurrency_groups={HEALTH: 1})(RolloutActor)
+
+        def start_engine(i: int):
+            return remote_class.options(
                 runtime_env={"env_vars": dict(accel.actor_env)}, **actor_resources(accel, per_engine),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement, i),
             ).remote(cfg, kv_cache_bytes)
-            for i in range(count)
-        ]
-        return cls(engines, placement)
+
+        return cls([start_engine(i) for i in range(count)], placement, start_engine)
 
     # -- generation ---------------------------------------------------------------------------------------------
     def _share(
@@ -195,12 +261,14 @@ class RolloutGroup:
         self, records: list[PromptRecord], rollout_id: int, first_group: int, plan: GenerationPlan,
     ) -> PendingSamples:
         """`plan.n_samples` rewarded samples per record, spread over the engines; collected in record order."""
-        parts = []
-        for share in self._share(records, [], first_group, plan):
-            ref = self.engines[share.engine].generate.remote(share.records, rollout_id, share.first_group, plan)
-            self._outstanding[share.engine][ref] = share.work
-            parts.append(ref)
-        return PendingSamples(parts)
+        calls = [self._send(share, rollout_id, plan) for share in self._share(records, [], first_group, plan)]
+        return PendingSamples(self, calls)
+
+    def _send(self, share: Share, rollout_id: int, plan: GenerationPlan) -> GenerateCall:
+        actor = self.engines[share.engine]
+        ref = actor.generate.remote(share.records, rollout_id, share.first_group, plan)
+        self._outstanding[share.engine][ref] = share.work
+        return GenerateCall(share, rollout_id, plan, actor, ref)
 
     def stream(
         self, records: list[PromptRecord], resumed: list[list[Sample]], rollout_id: int, first_group: int,
@@ -212,6 +280,91 @@ class RolloutGroup:
                                                          plan) for share in shares])
         return GroupRound([self.engines[share.engine] for share in shares])
 
+    # -- fault tolerance ------------------------------------------------------------------------------------------
+    def watch(self, policy: FaultTolerance, resync: Callable[[object], None]) -> None:
+        """Replace engines that die (see the module's doc); `resync(actor)` loads the current weights into one."""
+        if self._start_engine is None:
+            raise ValueError("the colocated engine lives in the trainer's actor: the rollout group cannot restart it")
+        self.fault_tolerance, self._resync = policy, resync
+
+    def collect(self, calls: list[GenerateCall]) -> list[list[Sample]]:
+        """Each call's samples, in the calls' order; the calls of an engine that died are sent again to its
+        replacement."""
+        policy, results = self.fault_tolerance, {}
+        pending = dict(enumerate(calls))
+        next_check = time.monotonic() + policy.interval
+        while pending:
+            by_ref = {call.ref: k for k, call in pending.items()}
+            done, _ = ray.wait(list(by_ref), num_returns=1, timeout=max(0.0, next_check - time.monotonic()))
+            dead: dict[int, tuple[object, BaseException]] = {}
+            for ref in done:
+                call = pending[by_ref[ref]]
+                try:
+                    results[by_ref[ref]] = ray.get(ref)
+                    del pending[by_ref[ref]]
+                except RayActorError as error:
+                    dead[call.share.engine] = (call.actor, error)
+            if time.monotonic() >= next_check:
+                self._kill_silent({call.share.engine for call in pending.values()})
+                next_check = time.monotonic() + policy.interval
+            for engine, (actor, error) in dead.items():
+                if actor is self.engines[engine]:  # else a late failure of an engine already replaced
+                    self.replace(engine, error)
+            for k, call in pending.items():
+                if call.actor is not self.engines[call.share.engine]:
+                    pending[k] = self._send(call.share, call.rollout_id, call.plan)
+        return [results[k] for k in range(len(calls))]
+
+    def _kill_silent(self, engines: set[int]) -> None:
+        """Kill the engines that do not answer a health check in time (their calls then fail as dead)."""
+        policy, now = self.fault_tolerance, time.monotonic()
+        checked = [e for e in sorted(engines) if now - self._started[e] >= policy.first_wait]
+        pings = {self.engines[e].health.remote(): e for e in checked}
+        answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=policy.timeout)
+        for ref, engine in pings.items():
+            if ref not in answered:
+                log.warning("rollout engine %d did not answer a health check in %.0f s: killing it", engine,
+                            policy.timeout)
+                ray.kill(self.engines[engine], no_restart=True)
+
+    def replace(self, engine: int, error: BaseException) -> None:
+        """A new actor for a dead engine, in its bundle, loaded with the current weights; a new one that dies
+        before it has loaded (Ray's memory monitor, say) is one more death."""
+        policy, seen = self.fault_tolerance, time.monotonic()
+        while True:
+            if self.restarts >= policy.max_restarts:
+                raise EngineRestartsExhausted(
+                    f"rollout engine {engine} died after the run restarted engines {self.restarts} time(s) "
+                    f"(--rollout-max-engine-restarts {policy.max_restarts}): ending the run so that it is retried "
+                    f"from its last checkpoint; the engine's error: {error}"
+                ) from error
+            log.warning("rollout engine %d died (%s): starting a new one in its bundle", engine,
+                        type(error).__name__)
+            with contextlib.suppress(Exception):
+                ray.kill(self.engines[engine], no_restart=True)
+            self.engines[engine] = self._start_engine(engine)  # in place: the weight sync holds this list
+            self._outstanding[engine] = {}
+            self.restarts += 1
+            try:
+                self._resync(self.engines[engine])
+                break
+            except (RayActorError, OutOfMemoryError) as died:
+                if isinstance(died, RayActorError) and died.actor_init_failed:
+                    raise  # the constructor's own error: another start would raise it again
+                error = died
+        self._started[engine] = time.monotonic()
+        self.recovery_seconds.append(self._started[engine] - seen)
+        log.warning("rollout engine %d restarted and loaded the current weights in %.1f s", engine,
+                    self.recovery_seconds[-1])
+
+    def replace_dead(self) -> None:
+        """Replace every engine whose process is gone (after a call to all of them failed)."""
+        for engine, actor in enumerate(self.engines):
+            try:
+                ray.get(actor.health.remote(), timeout=self.fault_tolerance.timeout)
+            except RayActorError as error:
+                self.replace(engine, error)
+
     # -- weights ------------------------------------------------------------------------------------------------
     def check_weight_version(self, version: int) -> None:
         """Every engine holds `version`; else RuntimeError naming the engines that do not."""
@@ -222,6 +375,12 @@ class RolloutGroup:
                 f"weight sync to version {version} left rollout engine(s) {behind} (engine: version held) on "
                 "other weights; their samples would be off-policy"
             )
+
+    def recovery_metrics(self) -> dict[str, float]:
+        """Engine restarts so far and the seconds they took, for the rollout's log (empty without restarts)."""
+        if not self.restarts:
+            return {}
+        return {"rollout/engine_restarts": self.restarts, "perf/engine_recovery_time": sum(self.recovery_seconds)}
 
     def shutdown(self) -> None:
         if self.placement is None:

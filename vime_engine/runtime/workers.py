@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 
+from ray.exceptions import RayActorError
+
 from vime_engine.config import EngineConfig
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
 from vime_engine.runtime.devices import Accelerator
-from vime_engine.runtime.rollout_group import GroupRound, PendingSamples, RolloutGroup
+from vime_engine.runtime.rollout_group import FaultTolerance, GroupRound, PendingSamples, RolloutGroup
 from vime_engine.runtime.trainer_group import RankAddress, TrainerGroup, TrainerRank
 from vime_engine.sample import Sample
 from vime_engine.weight_sync.strategies import make_weight_sync
@@ -69,6 +71,10 @@ class Workers:
                 cfg.placement.weight_sync, self.trainer, self.rollout.engines, self.colocated, accel.dist_backend,
                 accel.torch_device, cfg.placement.weight_sync_bucket_mb,
             )
+            self.weight_version: int | None = None  # the version every engine holds, once synced
+            policy = FaultTolerance.of(cfg)
+            if policy is not None:  # config_checks allows it only with the object-store sync
+                self.rollout.watch(policy, lambda engine: self.weight_sync.sync_engine(engine, self.weight_version))
         except BaseException:
             self.__exit__()  # a group that could not be placed must not keep the other's devices
             raise
@@ -106,6 +112,13 @@ class Workers:
 
     def sync_weights(self, version: int) -> float:
         """Push the trainer's weights to every rollout engine; seconds the slowest engine spent in its reload."""
-        seconds = self.weight_sync.sync(version)
+        self.weight_version = version
+        try:
+            seconds = self.weight_sync.sync(version)
+        except RayActorError:
+            if self.rollout.fault_tolerance is None:
+                raise
+            self.rollout.replace_dead()  # each replacement loads `version`
+            seconds = self.weight_sync.sync(version)
         self.rollout.check_weight_version(version)
         return seconds

@@ -55,6 +55,13 @@ class ObjectStoreSync:
         ray.get(others)
         return max(seconds)
 
+    def sync_engine(self, engine, version: int) -> float:
+        """Load the trainer's weights, as `version`, into one engine (a restarted one)."""
+        weights, others = self.trainer.weights_ref()
+        seconds = ray.get(engine.update_weights.remote(weights, version))
+        ray.get(others)
+        return seconds
+
 
 class BroadcastSync:
     """Set up once (store, tensor specs), then each sync is one concurrent send / receive pair."""
