@@ -180,7 +180,8 @@ class TrainConfig(_Section):
     num_steps_per_rollout: int | None = Field(None, ge=1)
     use_dynamic_batch_size: bool = False
     max_tokens_per_gpu: int | None = Field(None, ge=1)
-    micro_batch_size: int = Field(1, ge=1)
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="samples per micro-batch; unset: micro-batches by token budget (--max-tokens-per-gpu)")
     balance_data: bool = Field(False, description="even out tokens across data-parallel ranks in each optimizer step")
     optimizer: Literal["adam"] = "adam"
     lr: float = Field(1e-6, gt=0)

@@ -27,8 +27,6 @@ def check_combinations(cfg: EngineConfig) -> None:
             f"--global-batch-size {gbs} does not divide --rollout-batch-size × --n-samples-per-prompt = "
             f"{r.rollout_batch_size} × {r.n_samples_per_prompt} = {per_rollout}; use one of {divisors}"
         )
-    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
-        raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (a token budget per micro-batch)")
     if a.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline") and r.n_samples_per_prompt < 2:
         raise ConfigError(
             f"--advantage-estimator {a.advantage_estimator} compares samples of one prompt: "

@@ -87,7 +87,6 @@ def test_missing_required_flags_are_listed():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-gpu"),
     (["--n-samples-per-prompt", "1", "--rollout-batch-size", "4"], "set --n-samples-per-prompt to 2 or more"),
     (["--async-rollout", "--colocate"], "--async-rollout needs the rollout engine on its own actor"),
     (["--save-interval", "2"], "--save-interval needs --save DIR"),

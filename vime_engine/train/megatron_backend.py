@@ -24,13 +24,19 @@ import torch
 from torch import Tensor
 
 from vime_engine.algorithms.lr_schedule import LRSchedule
-from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
+from vime_engine.algorithms.token_log_probs import token_log_probs_and_entropy
 from vime_engine.config import EngineConfig
 from vime_engine.manifest import ChecksumMismatch, FileEntry, verify_local_tree
 from vime_engine.runtime.devices import prepare_accelerator, resolve_accelerator
 from vime_engine.sample import Sample
-from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference, response_log_probs
-from vime_engine.train.rollout_batch import RolloutBatch, build_rollout_batch, global_batches
+from vime_engine.train.micro_batches import derived_max_tokens, plan_micro_batches
+from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference
+from vime_engine.train.rollout_batch import (
+    RolloutBatch,
+    build_rollout_batch,
+    global_batches,
+    old_log_probs_from_training_forward,
+)
 
 
 @dataclass
@@ -64,6 +70,10 @@ class MegatronTrainBackend:
         self.dtype = getattr(torch, cfg.model.dtype)
         self.arch = mm.HFArchitecture.from_pretrained(cfg.model.hf_checkpoint)
         self.vocab_size = self.arch.vocab_size
+        from transformers import AutoConfig
+
+        self.derived_max_tokens = derived_max_tokens(
+            AutoConfig.from_pretrained(cfg.model.hf_checkpoint), self.dtype, self.device)
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=self.layout.grad_reduce_in_fp32, overlap_grad_reduce=False)
         self.model = mm.build_model(self.arch, self.layout, self.dtype, self.accelerator,
@@ -91,10 +101,7 @@ class MegatronTrainBackend:
 
     # -- forward passes through Megatron's schedule ------------------------------------------------------------
     def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        t = self.cfg.train
-        if t.use_dynamic_batch_size:
-            return pack_by_token_budget([s.total_length for s in samples], t.max_tokens_per_gpu)
-        return fixed_size_micro_batches(len(samples), t.micro_batch_size)
+        return plan_micro_batches(self.cfg.train, [s.total_length for s in samples], self.derived_max_tokens)
 
     def _inputs(self, samples: list[Sample], indices: list[int]) -> _MicroBatch:
         chosen = [samples[i] for i in indices]
@@ -107,13 +114,13 @@ class MegatronTrainBackend:
         positions = torch.arange(longest).unsqueeze(0).expand(len(chosen), -1)
         return _MicroBatch(indices, *(x.to(self.device) for x in (input_ids, positions, rows, columns)))
 
-    def _response_outputs(self, batch: _MicroBatch, output: Tensor) -> tuple[Tensor, Tensor]:
-        """Flat response log-probs and response logits / T of one micro-batch from the last stage's output."""
+    def _response_outputs(self, batch: _MicroBatch, output: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Flat response log-probs and, if asked, entropy of one micro-batch from the last stage's output."""
         logits = self.mm.full_vocab_logits(output, self.vocab_size)
         response_logits = logits[batch.rows, batch.columns - 1]  # the logit at t-1 predicts token t
-        temperature = self.cfg.rollout.rollout_temperature
         tokens = batch.input_ids[batch.rows, batch.columns]
-        return response_log_probs(response_logits, tokens, temperature), response_logits.float() / temperature
+        temperature = self.cfg.rollout.rollout_temperature
+        return token_log_probs_and_entropy(response_logits, tokens, temperature, with_entropy)
 
     def _schedule(self, model, batches: list[_MicroBatch], loss_func, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -138,7 +145,7 @@ class MegatronTrainBackend:
         batches = [self._inputs(samples, mb) for mb in self._micro_batches(samples)]
 
         def collect(batch, output):
-            return output.sum() * 0, {"log_probs": self._response_outputs(batch, output)[0].float()}
+            return output.sum() * 0, {"log_probs": self._response_outputs(batch, output, with_entropy=False)[0]}
 
         outputs = self._schedule(model, batches, collect, forward_only=True)
         total = sum(s.response_length for s in samples)
@@ -161,9 +168,9 @@ class MegatronTrainBackend:
     # -- one rollout's training ---------------------------------------------------------------------------------
     def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
         """Advantages for the whole rollout, then one optimizer step per global batch; averaged metrics."""
-        old_lp = self.log_probs(samples)
+        old_lp = None if old_log_probs_from_training_forward(self.cfg, len(samples)) else self.log_probs(samples)
         ref_lp = self._log_probs(self.ref_model, samples) if self.ref_model is not None else None
-        rollout = build_rollout_batch(self.cfg, samples, old_lp, ref_lp)
+        rollout = build_rollout_batch(self.cfg, samples, old_lp, ref_lp, device=self.device)
         steps = global_batches(len(samples), self.cfg.global_batch_size)
         totals: dict[str, float] = {}
         for step in steps:
@@ -181,10 +188,10 @@ class MegatronTrainBackend:
         scale = len(batches) * dp_size  # undo the schedule's 1/num_microbatches and DDP's 1/dp averaging
 
         def loss_func(batch, output):
-            log_probs, logits = self._response_outputs(batch, output)
+            log_probs, entropy = self._response_outputs(batch, output, with_entropy=True)
             targets = rollout.targets([local[i] for i in batch.indices])
             loss, metrics = micro_batch_loss(
-                self.cfg, MicroBatchOutputs(log_probs, logits), targets, global_tokens, global_samples
+                self.cfg, MicroBatchOutputs(log_probs, entropy), targets, global_tokens, global_samples
             )
             return loss * scale, metrics
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from vime_engine.algorithms.losses import (
-    entropy_from_logits,
     gspo_policy_loss,
     kl_penalty,
     loss_reducer,
@@ -23,6 +21,7 @@ from vime_engine.algorithms.losses import (
     tis_weights,
     value_loss,
 )
+from vime_engine.algorithms.token_log_probs import token_log_probs_and_entropy
 from vime_engine.config import EngineConfig
 
 
@@ -33,7 +32,9 @@ class MicroBatchTargets:
     response_lengths: list[int]
     loss_mask: Tensor
     advantages: Tensor
-    old_log_probs: Tensor  # the trainer's own log-probs before this rollout's updates
+    # The trainer's own log-probs before this rollout's updates; None when the rollout is one optimizer step, so
+    # the policy has not moved yet and they are the training forward's own, detached (no separate pass).
+    old_log_probs: Tensor | None
     rollout_log_probs: Tensor  # what vLLM reported while sampling
     ref_log_probs: Tensor | None = None
     returns: Tensor | None = None  # ppo critic targets
@@ -43,7 +44,7 @@ class MicroBatchTargets:
 @dataclass
 class MicroBatchOutputs:
     log_probs: Tensor
-    logits_for_entropy: Tensor | None = None  # [N, V] response logits after temperature
+    entropy: Tensor | None = None  # [N] of the sampling distribution (after temperature)
     values: Tensor | None = None
 
 
@@ -56,32 +57,34 @@ def micro_batch_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """Loss of one micro-batch (its share of the global batch) and its share of each metric."""
     alg = cfg.algorithm
+    old_log_probs = tgt.old_log_probs if tgt.old_log_probs is not None else out.log_probs.detach()
     reduce = loss_reducer(
         tgt.response_lengths, tgt.loss_mask, alg.calculate_per_token_loss, global_num_tokens, global_num_samples
     )
     if alg.advantage_estimator == "gspo":
         pg, clipped = gspo_policy_loss(
-            out.log_probs, tgt.old_log_probs, tgt.advantages, tgt.response_lengths, tgt.loss_mask,
+            out.log_probs, old_log_probs, tgt.advantages, tgt.response_lengths, tgt.loss_mask,
             alg.eps_clip, cfg.eps_clip_high,
         )
     else:
         pg, clipped = policy_loss(
-            out.log_probs, tgt.old_log_probs, tgt.advantages, alg.eps_clip, cfg.eps_clip_high, alg.eps_clip_c
+            out.log_probs, old_log_probs, tgt.advantages, alg.eps_clip, cfg.eps_clip_high, alg.eps_clip_c
         )
     if alg.use_tis:
-        pg = pg * tis_weights(tgt.old_log_probs, tgt.rollout_log_probs, alg.tis_clip)
+        pg = pg * tis_weights(old_log_probs, tgt.rollout_log_probs, alg.tis_clip)
 
     pg_loss = reduce(pg)
     loss = pg_loss
     metrics = {
         "train/pg_loss": pg_loss.item(),
         "train/pg_clipfrac": reduce(clipped).item(),
-        "train/ppo_kl": reduce(ppo_kl(out.log_probs.detach(), tgt.old_log_probs)).item(),
-        "train/train_rollout_logprob_abs_diff": reduce((tgt.old_log_probs - tgt.rollout_log_probs).abs()).item(),
+        "train/ppo_kl": reduce(ppo_kl(out.log_probs.detach(), old_log_probs)).item(),
+        "train/train_rollout_logprob_abs_diff": reduce((old_log_probs - tgt.rollout_log_probs).abs()).item(),
     }
-    if out.logits_for_entropy is not None:
-        entropy = reduce(entropy_from_logits(out.logits_for_entropy))
-        loss = loss - alg.entropy_coef * entropy
+    if out.entropy is not None:
+        entropy = reduce(out.entropy)
+        if alg.entropy_coef != 0:  # otherwise the entropy is a metric only and needs no backward
+            loss = loss - alg.entropy_coef * entropy
         metrics["train/entropy_loss"] = entropy.item()
     if alg.use_kl_loss:
         kl = reduce(kl_penalty(out.log_probs, tgt.ref_log_probs, alg.kl_loss_type))
@@ -101,4 +104,4 @@ def needs_reference(cfg: EngineConfig) -> bool:
 
 def response_log_probs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
     """log p(token) under softmax(logits / T): the same quantity vLLM reports as processed log-probs."""
-    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return token_log_probs_and_entropy(logits, tokens, temperature, with_entropy=False)[0]

@@ -27,7 +27,7 @@ class RolloutBatch:
     lengths: list[int]
     offsets: list[int]
     loss_mask: Tensor
-    old_log_probs: Tensor
+    old_log_probs: Tensor | None  # None: the training forward's own (see `old_log_probs_from_training_forward`)
     rollout_log_probs: Tensor
     advantages: AdvantageResult
     ref_log_probs: Tensor | None = None
@@ -42,7 +42,7 @@ class RolloutBatch:
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         return MicroBatchTargets(
             response_lengths=[self.lengths[i] for i in indices], loss_mask=self.loss_mask[idx],
-            advantages=self.advantages.advantages[idx], old_log_probs=self.old_log_probs[idx],
+            advantages=self.advantages.advantages[idx], old_log_probs=pick(self.old_log_probs),
             rollout_log_probs=self.rollout_log_probs[idx], ref_log_probs=pick(self.ref_log_probs),
             returns=pick(self.advantages.returns), old_values=pick(self.old_values),
         )
@@ -52,18 +52,37 @@ class RolloutBatch:
         return int(sum(self.loss_mask[self.offsets[i]:self.offsets[i + 1]].sum().item() for i in indices))
 
 
+def old_log_probs_from_training_forward(cfg: EngineConfig, num_samples: int) -> bool:
+    """Whether a rollout's old log-probs can be the training forward's own, detached, instead of a separate
+    no-grad pass over the rollout first: yes when the rollout is one optimizer step (the policy has not moved
+    when any micro-batch's forward runs, so old == current) and the advantages do not read them before training
+    (the reinforce++ estimators' KL to the reference with `--kl-coef`)."""
+    alg = cfg.algorithm
+    kl_in_advantages = alg.advantage_estimator.startswith("reinforce_plus_plus") and alg.kl_coef != 0
+    kl_in_advantages |= alg.custom_advantage_function_path is not None  # vime's function may read them
+    return len(global_batches(num_samples, cfg.global_batch_size)) == 1 and not kl_in_advantages
+
+
 def build_rollout_batch(
     cfg: EngineConfig,
     samples: list[Sample],
-    old_log_probs: Tensor,
+    old_log_probs: Tensor | None,
     ref_log_probs: Tensor | None = None,
     old_values: Tensor | None = None,
+    *,
+    device: torch.device,
 ) -> RolloutBatch:
-    """Advantages of the whole rollout (the configured estimator) and its flat target tensors."""
-    device = old_log_probs.device
+    """Advantages of the whole rollout (the configured estimator) and its flat target tensors; `old_log_probs`
+    None when `old_log_probs_from_training_forward` holds."""
     lengths = [s.response_length for s in samples]
     mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float32, device=device)
-    kl = kl_penalty(old_log_probs, ref_log_probs, "k1") if ref_log_probs is not None else torch.zeros_like(mask)
+    if old_log_probs is None and not old_log_probs_from_training_forward(cfg, len(samples)):
+        raise ValueError("this rollout needs its old log-probs before training (several optimizer steps, or "
+                         "the KL to the reference in the advantages)")
+    if ref_log_probs is not None and old_log_probs is not None:
+        kl = kl_penalty(old_log_probs, ref_log_probs, "k1")
+    else:  # no reference, or the advantages do not read the KL (checked above)
+        kl = torch.zeros_like(mask)
     rollout_lp = torch.tensor([x for s in samples for x in s.rollout_log_probs], device=device)
     inputs = AdvantageInputs(
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device),

@@ -4,8 +4,9 @@ Data parallel over the trainer group's ranks with torch's DistributedDataParalle
 hccl on Ascend): every rank holds the whole model and optimizer state and trains its round-robin share of each
 optimizer step (vime_engine.train.data_parallel). The loss keeps the step's global denominators and is scaled by
 the world size (DDP averages gradients), so the summed gradient, and the update, do not depend on the number of
-ranks. The per-token log-probs before training are computed on each rank's share and gathered. Every rank's
-state is the same, so rank 0 alone writes checkpoints and any number of ranks can load them.
+ranks. The per-token log-probs before training, when a rollout needs them (several optimizer steps), are computed
+on each rank's share and gathered. Every rank's state is the same, so rank 0 alone writes checkpoints and any
+number of ranks can load them.
 """
 
 from __future__ import annotations
@@ -20,14 +21,20 @@ import torch
 from torch import Tensor, nn
 
 from vime_engine.algorithms.lr_schedule import LRSchedule
-from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
+from vime_engine.algorithms.token_log_probs import token_log_probs_and_entropy
 from vime_engine.config import EngineConfig
 from vime_engine.manifest import FileEntry, read_verified
 from vime_engine.sample import Sample
 from vime_engine.tensor_files import join_tensors, read_tensors, split_tensors, write_tensors
 from vime_engine.train.data_parallel import DataParallel
-from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference, response_log_probs
-from vime_engine.train.rollout_batch import RolloutBatch, build_rollout_batch, global_batches
+from vime_engine.train.micro_batches import derived_max_tokens, plan_micro_batches
+from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference
+from vime_engine.train.rollout_batch import (
+    RolloutBatch,
+    build_rollout_batch,
+    global_batches,
+    old_log_probs_from_training_forward,
+)
 
 # The files of the resumable state (the checkpoint's trainer part).
 MODEL_FILE = "model.safetensors"
@@ -64,6 +71,7 @@ class TorchTrainBackend:
         torch.manual_seed(cfg.train.seed)
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model.hf_checkpoint, torch_dtype=dtype).to(self.device)
         self.model.train()
+        self.derived_max_tokens = derived_max_tokens(self.model.config, dtype, self.device)
         self.ref_model = None
         if needs_reference(cfg):
             ref_path = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
@@ -88,20 +96,22 @@ class TorchTrainBackend:
             self.optimizer, lambda step: schedule.learning_rate(step) / schedule.lr)
 
     # -- forward passes -----------------------------------------------------------------------------------------
-    def _forward(self, model: nn.Module, samples: list[Sample], with_logits: bool) -> tuple[Tensor, Tensor | None]:
-        """Flat response log-probs of `samples` (one padded batch) and, if asked, their response logits / T."""
+    def _forward(self, model: nn.Module, samples: list[Sample], with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Flat response log-probs of `samples` (one padded batch) and, if asked, the sampling distribution's
+        entropy there. The LM head runs only from the earliest response's position on (`logits_to_keep`), and
+        log-probs and entropy come chunk by chunk over the tokens (vime_engine.algorithms.token_log_probs)."""
         input_ids, attention_mask = _pad([s.prompt_tokens + s.response_tokens for s in samples], self.device)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        first = min(len(s.prompt_tokens) for s in samples) - 1  # the logit at t-1 predicts token t
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=input_ids.shape[1] - first,
+                       use_cache=False).logits
         positions = _response_positions(samples, self.device)
         rows = torch.repeat_interleave(
             torch.arange(len(samples), device=self.device),
             torch.tensor([s.response_length for s in samples], device=self.device),
         )
-        response_logits = logits[rows, positions - 1]  # the logit at t-1 predicts token t
-        tokens = input_ids[rows, positions]
         temperature = self.cfg.rollout.rollout_temperature
-        log_probs = response_log_probs(response_logits, tokens, temperature)
-        return log_probs, (response_logits.float() / temperature if with_logits else None)
+        return token_log_probs_and_entropy(logits[rows, positions - 1 - first], input_ids[rows, positions],
+                                           temperature, with_entropy)
 
     def _values(self, samples: list[Sample], critic: nn.Module | None = None) -> Tensor:
         input_ids, attention_mask = _pad([s.prompt_tokens + s.response_tokens for s in samples], self.device)
@@ -126,23 +136,20 @@ class TorchTrainBackend:
 
     def log_probs(self, samples: list[Sample]) -> Tensor:
         """Current policy's flat response log-probs (no gradient)."""
-        return self._batched(lambda mb: self._forward(self.model, mb, with_logits=False)[0], samples)
+        return self._batched(lambda mb: self._forward(self.model, mb, with_entropy=False)[0], samples)
 
     def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        t = self.cfg.train
-        if t.use_dynamic_batch_size:
-            return pack_by_token_budget([s.total_length for s in samples], t.max_tokens_per_gpu)
-        return fixed_size_micro_batches(len(samples), t.micro_batch_size)
+        return plan_micro_batches(self.cfg.train, [s.total_length for s in samples], self.derived_max_tokens)
 
     # -- one rollout's training ---------------------------------------------------------------------------------
     def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
         """Advantages for the whole rollout, then one optimizer step per global batch; averaged metrics."""
-        old_lp = self.log_probs(samples)
+        old_lp = None if old_log_probs_from_training_forward(self.cfg, len(samples)) else self.log_probs(samples)
         ref_lp = None
         if self.ref_model is not None:
-            ref_lp = self._batched(lambda mb: self._forward(self.ref_model, mb, with_logits=False)[0], samples)
+            ref_lp = self._batched(lambda mb: self._forward(self.ref_model, mb, with_entropy=False)[0], samples)
         old_values = self._batched(self._values, samples) if self.critic is not None else None
-        rollout = build_rollout_batch(self.cfg, samples, old_lp, ref_lp, old_values)
+        rollout = build_rollout_batch(self.cfg, samples, old_lp, ref_lp, old_values, device=self.device)
         steps = global_batches(len(samples), self.cfg.global_batch_size)
         totals: dict[str, float] = {}
         for step in steps:
@@ -163,10 +170,10 @@ class TorchTrainBackend:
             mb_samples = [local_samples[i] for i in mb]
             # Gradients are all-reduced once, in the step's last backward; earlier ones only accumulate.
             with self._no_grad_sync(last=n == len(micro_batches) - 1):
-                log_probs, logits = self._forward(self.train_model, mb_samples, with_logits=True)
+                log_probs, entropy = self._forward(self.train_model, mb_samples, with_entropy=True)
                 values = self._values(mb_samples, self.train_critic) if self.critic is not None else None
                 loss, mb_metrics = micro_batch_loss(
-                    self.cfg, MicroBatchOutputs(log_probs, logits, values), rollout.targets([local[i] for i in mb]),
+                    self.cfg, MicroBatchOutputs(log_probs, entropy, values), rollout.targets([local[i] for i in mb]),
                     global_tokens, global_samples,
                 )
                 (loss * self.dp.size).backward()  # DDP averages over ranks; the global denominators already did

@@ -1,0 +1,38 @@
+"""Micro-batches by token budget are the default; `--micro-batch-size` alone keeps runs of N samples."""
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from vime_engine.config import build_config
+from vime_engine.train.micro_batches import activation_bytes_per_token, derived_max_tokens, plan_micro_batches
+
+LENGTHS = [30, 10, 50, 20, 40]
+
+
+def _train(**flags):
+    return build_config([], **{"hf-checkpoint": "unused", "prompt-data": "unused", **flags}).train
+
+
+def test_default_is_a_token_budget_never_below_the_longest_sample():
+    assert plan_micro_batches(_train(), LENGTHS, derived_budget=1000) == [[0, 1, 2, 3, 4]]
+    # A derived budget below the longest sample becomes that sample's length, rather than refusing the rollout.
+    assert plan_micro_batches(_train(), LENGTHS, derived_budget=5) == [[0, 3], [1, 4], [2]]
+
+
+def test_explicit_flags_win():
+    assert plan_micro_batches(_train(**{"micro-batch-size": 2}), LENGTHS, 1000) == [[0, 1], [2, 3], [4]]
+    budget = _train(**{"max-tokens-per-gpu": 60})
+    assert plan_micro_batches(budget, LENGTHS, 10_000) == [[0], [1, 2], [3, 4]]
+    both = _train(**{"micro-batch-size": 2, "use-dynamic-batch-size": True, "max-tokens-per-gpu": 100})
+    assert plan_micro_batches(both, LENGTHS, 1) == [[0, 3], [1, 2, 4]]
+    with pytest.raises(ValueError, match="--max-tokens-per-gpu"):
+        plan_micro_batches(_train(**{"max-tokens-per-gpu": 40}), LENGTHS, 10_000)
+
+
+def test_derived_budget_scales_with_the_model_and_the_memory():
+    small = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=1000)
+    large = Qwen3Config(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, vocab_size=150_000)
+    assert activation_bytes_per_token(small, torch.float32) == 2 * activation_bytes_per_token(small, torch.bfloat16)
+    cpu = torch.device("cpu")
+    assert derived_max_tokens(small, torch.float32, cpu) > 50 * derived_max_tokens(large, torch.float32, cpu) > 0

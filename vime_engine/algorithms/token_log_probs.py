@@ -1,0 +1,85 @@
+"""Per-token log-probs and entropy of sampled tokens, over the vocabulary in chunks of tokens.
+
+The plain computation (`log_softmax(logits.float() / T)`, then a gather, then softmax and log_softmax again for
+the entropy) materialises several fp32 [tokens, vocab] tensors and keeps them for the backward pass; at a
+49k-token vocabulary they dominate the trainer's memory traffic. Here each chunk of tokens is processed on its
+own: the forward keeps only the logits it was given (for the backward) and the results, and the backward recomputes
+the chunk's softmax to write the logits' gradient, using
+
+    d log p(y) / d z_j = [j == y] - p_j          d H / d z_j = -p_j (log p_j + H)
+
+for z = logits / T and H = -sum_j p_j log p_j.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "token_log_probs_and_entropy"]
+
+# 512 tokens x 49,152 vocabulary x 4 bytes = 100 MB of fp32 scratch per chunk at most.
+DEFAULT_CHUNK_TOKENS = 512
+
+
+def token_log_probs_and_entropy(
+    logits: Tensor, tokens: Tensor, temperature: float, with_entropy: bool,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[Tensor, Tensor | None]:
+    """log p(tokens) under softmax(logits / temperature) and, if asked, the entropy of that distribution.
+
+    logits [N, V] (any float dtype), tokens [N] -> (log_probs [N] fp32, entropy [N] fp32 or None); both
+    differentiable with respect to `logits`, the gradient in `logits`' dtype. Equal to the plain computation
+    up to float rounding. Vocabulary entries with logit -inf have p = 0 and add 0 to the entropy.
+    """
+    if logits.dim() != 2 or tokens.shape != logits.shape[:1]:
+        raise ValueError(f"logits must be [N, V] and tokens [N], got {tuple(logits.shape)} and {tuple(tokens.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    log_probs, entropy = _ChunkedLogSoftmax.apply(logits, tokens, temperature, with_entropy, chunk_tokens)
+    return log_probs, (entropy if with_entropy else None)
+
+
+def _entropy_parts(log_p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """From log_softmax rows [n, V]: log p with -inf entries zeroed, p, and the entropy [n]."""
+    p = log_p.exp()
+    finite_log_p = torch.where(torch.isfinite(log_p), log_p, torch.zeros_like(log_p))
+    return finite_log_p, p, -(p * finite_log_p).sum(dim=-1)
+
+
+class _ChunkedLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, with_entropy: bool, chunk: int):
+        n = logits.shape[0]
+        log_probs = torch.empty(n, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            log_p = torch.log_softmax(logits[start:end].float() / temperature, dim=-1)
+            log_probs[start:end] = log_p.gather(-1, tokens[start:end].unsqueeze(-1)).squeeze(-1)
+            if with_entropy:
+                entropy[start:end] = _entropy_parts(log_p)[2]
+        ctx.save_for_backward(logits, tokens)
+        ctx.set_materialize_grads(False)  # an output the loss does not use (entropy as a metric) gets None
+        ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs: Tensor | None, grad_entropy: Tensor | None):
+        logits, tokens = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        n = logits.shape[0]
+        for start in range(0, n, ctx.chunk):
+            end = min(start + ctx.chunk, n)
+            log_p, p, entropy = _entropy_parts(torch.log_softmax(logits[start:end].float() / ctx.temperature, dim=-1))
+            grad_z = torch.zeros_like(p)
+            if grad_log_probs is not None:
+                g = grad_log_probs[start:end].unsqueeze(-1)
+                grad_z -= g * p
+                grad_z.scatter_add_(-1, tokens[start:end].unsqueeze(-1), g)
+            if ctx.with_entropy and grad_entropy is not None:
+                grad_z -= grad_entropy[start:end].unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
+            grad_logits[start:end] = grad_z / ctx.temperature
+        return grad_logits, None, None, None, None

@@ -1,0 +1,53 @@
+"""How a backend cuts its share of an optimizer step into micro-batches, shared by the training backends.
+
+`--micro-batch-size N` (without `--use-dynamic-batch-size`): runs of N samples. Otherwise, the default: micro-batches
+by token budget, `--max-tokens-per-gpu` or, when not given, as many tokens as the training activations of this
+model fit in a share of the device's memory (never fewer than the longest sample at hand, which always runs).
+One forward over many samples instead of one per sample is where the trainer's time goes on small models.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
+from vime_engine.config import TrainConfig
+
+# Share of the device memory the training activations of one micro-batch may take; the rest holds the weights,
+# gradients, optimizer state (and, on CPU, everything else on the machine).
+ACTIVATION_MEMORY_SHARE = 0.25
+
+
+def activation_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+    """Rough bytes one token's training forward keeps for the backward: per layer, the attention block's inputs
+    and outputs (~16 x hidden) and the MLP's (~4 x intermediate); at the head, the logits and the softmax work
+    (~3 x vocabulary)."""
+    hidden = hf_config.hidden_size
+    intermediate = getattr(hf_config, "intermediate_size", None) or 4 * hidden
+    per_token = hf_config.num_hidden_layers * (16 * hidden + 4 * intermediate) + 3 * hf_config.vocab_size
+    return per_token * torch.finfo(dtype).bits // 8
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Free memory of an accelerator (its runtime's `mem_get_info`), or the machine's RAM for the CPU."""
+    if device.type == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return getattr(torch, device.type).mem_get_info(device)[0]
+
+
+def derived_max_tokens(hf_config, dtype: torch.dtype, device: torch.device) -> int:
+    """The token budget of a micro-batch when `--max-tokens-per-gpu` is not given."""
+    budget = int(device_memory_bytes(device) * ACTIVATION_MEMORY_SHARE)
+    return max(1, budget // activation_bytes_per_token(hf_config, dtype))
+
+
+def plan_micro_batches(train: TrainConfig, lengths: Sequence[int], derived_budget: int) -> list[list[int]]:
+    """Sample indices of each micro-batch (see the module docstring); `lengths` are the samples' total tokens."""
+    if train.micro_batch_size is not None and not train.use_dynamic_batch_size:
+        return fixed_size_micro_batches(len(lengths), train.micro_batch_size)
+    if train.max_tokens_per_gpu is not None:
+        return pack_by_token_budget(lengths, train.max_tokens_per_gpu)
+    return pack_by_token_budget(lengths, max(derived_budget, *lengths, 1))
