@@ -162,7 +162,7 @@ def goals(samples: list[Sample], num_rollout: int, keep_last: int) -> list[tuple
     return out
 
 
-def write_outputs(samples: list[Sample], out: Path) -> None:
+def write_samples(samples: list[Sample], out: Path) -> None:
     rows = [asdict(s) for s in samples]
     (out / "soak.json").write_text(json.dumps(rows, indent=1))
     kinds = sorted({k for s in samples for k in s.rss_by_kind})
@@ -172,12 +172,15 @@ def write_outputs(samples: list[Sample], out: Path) -> None:
         writer.writerow(plain + [f"rss_mib[{k}]" for k in kinds])
         for s, row in zip(samples, rows):
             writer.writerow([row[k] for k in plain] + [round(s.rss_by_kind.get(k, 0.0), 2) for k in kinds])
-    plot(samples, kinds, out / "soak.png")
 
 
-def plot(samples: list[Sample], kinds: list[str], path: Path) -> None:
+def plot(samples: list[Sample], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    kinds = sorted({k for s in samples for k in s.rss_by_kind})
     x = [s.rollout_id for s in samples]
     fig, axes = plt.subplots(3, 2, figsize=(12, 10), sharex=True)
     panels = [
@@ -236,10 +239,6 @@ def main() -> int:
                      f"with a sample every {args.sample_every}: give at least {5 * args.sample_every}")
 
     keep_local_ray_on_loopback(None)
-    import matplotlib  # imported before the first sample, or its ~40 MiB would read as growth of the driver
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot  # noqa: F401
     from vime_engine.runtime.driver import train
 
     shutil.rmtree(args.output_dir, ignore_errors=True)
@@ -270,10 +269,11 @@ def main() -> int:
             print(f"[soak] rollout {rollout_id}: rss {s.rss_mib:.1f} MiB, pss {s.pss_mib:.1f} MiB, fds {s.fds}, "
                   f"store {s.store_mib:.1f} MiB, disk {s.disk_mib:.2f} MiB, {s.elapsed_s / 60:.1f} min", flush=True)
         if len(samples) % 20 == 0:
-            write_outputs(samples, args.output_dir)  # a run stopped early still leaves its samples
+            write_samples(samples, args.output_dir)  # a run stopped early still leaves its samples
 
     train(cfg, on_rollout=on_rollout)
-    write_outputs(samples, args.output_dir)
+    write_samples(samples, args.output_dir)
+    plot(samples, args.output_dir / "soak.png")  # after the run: matplotlib's ~50 MiB would read as growth
     print_table(samples, args.num_rollout)
     results = goals(samples, args.num_rollout, args.keep_last)
     print(f"\n{args.num_rollout} rollouts in {(time.perf_counter() - started) / 60:.1f} min; "
