@@ -253,3 +253,33 @@ def test_two_data_parallel_ranks_resume_bit_identical_and_their_checkpoint_loads
     last = json.loads((one_dir / "out" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["rollout_id"] == NUM_ROLLOUT - 1
     assert last["train/pg_loss"] == pytest.approx(ref_history[-1]["train/pg_loss"], rel=1e-4, abs=1e-7)
+
+
+# Multi-turn conversations (tests/support/two_turn_agent.py: two model turns around an environment reply) under
+# partial rollout: rollout 0 cuts conversations off, some after their tool reply, and the checkpoint's buffer holds
+# them; the run is killed as rollout 1 starts continuing them.
+MULTI_TURN = {**PARTIAL, "vllm-max-model-len": 176, "rollout-max-turns": 2,
+              "custom-generate-function-path": str(REPO / "tests/support/two_turn_agent.py") + ":generate"}
+
+
+def test_multi_turn_conversations_cut_off_and_killed_resume_bit_identical(tmp_path_factory, base_config):
+    reference_dir = tmp_path_factory.mktemp("multi-turn-reference")
+    assert _run(_write_config(reference_dir, base_config, **MULTI_TURN)) == 0
+    ref_weights, ref_history = _final(reference_dir)
+    assert all(h["rollout/model_turns/mean"] > 1 for h in ref_history)
+    assert sum(h["rollout/aborted_groups"] for h in ref_history) > 0
+
+    run_dir = tmp_path_factory.mktemp("multi-turn-killed")
+    config = _write_config(run_dir, base_config, **MULTI_TURN)
+    _run(config, fault="vime_engine.rollout.custom_generate:CustomRound.__init__:2")
+    latest = find_latest(run_dir / "ckpt")
+    assert latest.rollout_id == 0
+    carry = pickle.loads((latest.path / BUFFER_FILE).read_bytes())
+    cut = [s for group in carry.partial for s in group if not s.finished]
+    assert any(0 in s.loss_mask and s.loss_mask[0] == 1 for s in cut), "no conversation was cut after a tool reply"
+    assert all(len(s.rollout_log_probs) == len(s.loss_mask) == s.response_length for s in cut)
+    assert _run(config) == 0
+
+    weights, history = _final(run_dir)
+    assert weights == ref_weights
+    assert history == ref_history
