@@ -27,7 +27,7 @@ def _config(tiny_model, arithmetic_data, out, *flags):
     return build_config(list(flags), **{
         "hf-checkpoint": str(tiny_model), "prompt-data": str(arithmetic_data), "input-key": "question",
         "label-key": "answer", "apply-chat-template": True, "custom-rm-path": "tests/support/tiny_task.py:digit_share",
-        "num-rollout": 2, "rollout-batch-size": 4, "n-samples-per-prompt": 4, "rollout-max-response-len": 16,
+        "num-rollout": 2, "rollout-batch-size": 4, "n-samples-per-prompt": 4, "rollout-max-response-len": 32,
         "lr": 2e-2, "vllm-kv-cache-gb": 0.25, "output-dir": str(out / "out"), "save-hf": str(out / "hf"),
     })
 
