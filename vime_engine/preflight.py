@@ -39,12 +39,16 @@ def preflight(cfg: EngineConfig) -> None:
     if cfg.train.train_backend == "megatron":
         require_megatron()
     model_config = check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
-    if cfg.checkpoint.ref_load is not None:
-        check_model_dir(cfg.checkpoint.ref_load, "--ref-load")
+    ref_load = cfg.checkpoint.ref_load
+    torch_dist_ref = ref_load is not None and _is_converted_checkpoint(ref_load)
+    if torch_dist_ref:
+        _check_torch_dist_ref(cfg)
+    elif ref_load is not None:
+        check_model_dir(ref_load, "--ref-load")
     if cfg.train.train_backend == "megatron":
         _check_megatron_mapping(cfg.model.hf_checkpoint, "--hf-checkpoint")
-        if cfg.checkpoint.ref_load is not None:
-            _check_megatron_mapping(cfg.checkpoint.ref_load, "--ref-load")
+        if ref_load is not None and not torch_dist_ref:
+            _check_megatron_mapping(ref_load, "--ref-load")
     _check_plugins(cfg)
     _check_checkpoints(cfg)
     tokenizer = _tokenizer(cfg.model.hf_checkpoint)
@@ -76,6 +80,29 @@ def require_megatron() -> None:
             "environment lacks: install it (scripts/ensure-venv and scripts/ensure-venv-megatron do), use the "
             "CUDA / NPU image, or train with --train-backend torch here"
         )
+
+
+def _is_converted_checkpoint(path: str) -> bool:
+    from vime_engine.train.megatron_hf import is_converted_checkpoint
+
+    return is_converted_checkpoint(path)
+
+
+def _check_torch_dist_ref(cfg: EngineConfig) -> None:
+    """A converted torch_dist --ref-load (the Megatron policy's initial weights) holds --hf-checkpoint's model."""
+    from vime_engine.train.megatron_hf import HFArchitecture, architecture_of
+
+    ref_load = cfg.checkpoint.ref_load
+    if cfg.train.train_backend != "megatron":
+        raise PreflightError(
+            f"--ref-load {ref_load} is a Megatron torch_dist checkpoint, which only --train-backend megatron reads; "
+            "give the torch backend an HF directory (vimeflow convert --direction megatron_to_hf writes one)")
+    ref_arch, hf_arch = architecture_of(ref_load), HFArchitecture.from_pretrained(cfg.model.hf_checkpoint)
+    if ref_arch != hf_arch:
+        differ = [f"{k} {v} vs {getattr(hf_arch, k)}" for k, v in vars(ref_arch).items() if getattr(hf_arch, k) != v]
+        raise PreflightError(
+            f"--ref-load {ref_load} holds another model than --hf-checkpoint {cfg.model.hf_checkpoint} "
+            f"({', '.join(differ)}); convert --hf-checkpoint's model (vimeflow convert) and give that")
 
 
 def _check_megatron_mapping(path: str, flag: str) -> None:

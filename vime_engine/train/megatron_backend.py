@@ -5,6 +5,10 @@ Same contract as the torch backend: build from an HF directory, per-token respon
 weight-sync source; collective: every rank iterates it), `save_hf`, and resumable state through Megatron's
 distributed checkpointing (`save_state` / `load_state`, collective).
 
+Initial weights: `--hf-checkpoint` (an HF directory: architecture, tokenizer, vLLM's first weights) or, as in slime
+(whose actor starts from `--ref-load` when `--load` holds nothing), a converted torch_dist `--ref-load`
+(vime_engine.convert), which is then also the KL reference. A resumed run loads its own checkpoint over them.
+
 Parallelism comes from Megatron's flags in `cfg.megatron` (tensor / pipeline / expert parallel, sequence
 parallel, recompute); the ranks left over form the data-parallel group. Micro-batches run through Megatron's
 forward-backward schedule, so pipeline parallelism works unchanged. Each optimizer step's samples are dealt
@@ -29,6 +33,7 @@ from vime_engine.config import EngineConfig
 from vime_engine.manifest import ChecksumMismatch, FileEntry, verify_local_tree
 from vime_engine.runtime.devices import prepare_accelerator, resolve_accelerator
 from vime_engine.sample import Sample
+from vime_engine.train.megatron_hf import is_converted_checkpoint
 from vime_engine.train.micro_batches import derived_max_tokens, plan_micro_batches
 from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference
 from vime_engine.train.rollout_batch import (
@@ -76,13 +81,14 @@ class MegatronTrainBackend:
             AutoConfig.from_pretrained(cfg.model.hf_checkpoint), self.dtype, self.device)
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=self.layout.grad_reduce_in_fp32, overlap_grad_reduce=False)
-        self.model = mm.build_model(self.arch, self.layout, self.dtype, self.accelerator,
-                                    hf_dir=cfg.model.hf_checkpoint, ddp_config=ddp)
+        self.initial_weights = initial_weights(cfg)
+        self.model = mm.build_model_from(self.initial_weights, self.arch, self.layout, self.dtype, self.accelerator,
+                                         ddp_config=ddp)
         self.ref_model = None
         if needs_reference(cfg):
             ref_dir = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
-            ref_arch = mm.HFArchitecture.from_pretrained(ref_dir)
-            self.ref_model = mm.build_model(ref_arch, self.layout, self.dtype, self.accelerator, hf_dir=ref_dir)
+            ref_arch = mm.architecture_of(ref_dir)
+            self.ref_model = mm.build_model_from(ref_dir, ref_arch, self.layout, self.dtype, self.accelerator)
             for chunk in self.ref_model:
                 chunk.eval().requires_grad_(False)
         t = cfg.train
@@ -270,6 +276,13 @@ class MegatronTrainBackend:
             self.mm.unwrap(chunk).load_state_dict(loaded["model" if len(self.model) == 1 else f"model{i}"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.scheduler.load_state_dict(loaded["scheduler"])
+
+
+def initial_weights(cfg: EngineConfig) -> str:
+    """The directory the policy's weights come from before any checkpoint: a converted torch_dist --ref-load, or
+    --hf-checkpoint."""
+    ref = cfg.checkpoint.ref_load
+    return ref if ref is not None and is_converted_checkpoint(ref) else cfg.model.hf_checkpoint
 
 
 def _split(log_probs: list[Tensor], batches: list[_MicroBatch], samples: list[Sample]) -> list[Tensor]:

@@ -38,6 +38,21 @@ EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # model_type → (q/k/v biases, per-head q/k RMSNorm). Llama's optional biases are refused in `from_hf_config`.
 _FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
 
+# A converted checkpoint (vime_engine.convert): torch_dist weights in TORCH_DIST_ITERATION_DIR/, the source's
+# config and tokenizer in HF_CONFIG_DIR/.
+TORCH_DIST_ITERATION_DIR = "iter_0000000"
+HF_CONFIG_DIR = "hf_config"
+
+
+def is_converted_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / TORCH_DIST_ITERATION_DIR).is_dir() and (Path(path) / HF_CONFIG_DIR / "config.json").is_file()
+
+
+def architecture_of(path: str | Path) -> HFArchitecture:
+    """The architecture of an HF directory or of a converted checkpoint (from the config kept beside it)."""
+    path = Path(path)
+    return HFArchitecture.from_pretrained(path / HF_CONFIG_DIR if is_converted_checkpoint(path) else path)
+
 
 class UnsupportedHFModel(ValueError):
     """An HF model this mapping cannot represent exactly; the message names the config field."""

@@ -19,10 +19,13 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
 from vime_engine.runtime.devices import Accelerator
 from vime_engine.train import megatron_hf as mh
-from vime_engine.train.megatron_hf import HFArchitecture
-
-TORCH_DIST_ITERATION_DIR = "iter_0000000"
-HF_CONFIG_DIR = "hf_config"  # config + tokenizer of the source HF model, kept beside the torch_dist weights
+from vime_engine.train.megatron_hf import (  # noqa: F401  (the converted layout, re-exported for convert.py)
+    HF_CONFIG_DIR,
+    TORCH_DIST_ITERATION_DIR,
+    HFArchitecture,
+    architecture_of,
+    is_converted_checkpoint,
+)
 
 
 class MegatronSetupError(ValueError):
@@ -165,6 +168,25 @@ def build_model(
     if ddp_config is not None:
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     return [model]
+
+
+def build_model_from(
+    source: str | Path,
+    arch: HFArchitecture,
+    layout: ParallelLayout,
+    dtype: torch.dtype,
+    accelerator: Accelerator,
+    ddp_config: Any = None,
+) -> list[torch.nn.Module]:
+    """`build_model` with the weights of `source`: an HF directory, or a torch_dist checkpoint written by
+    vime_engine.convert (read in any parallel layout: torch_dist reshards on load)."""
+    if not is_converted_checkpoint(source):
+        return build_model(arch, layout, dtype, accelerator, hf_dir=source, ddp_config=ddp_config)
+    model = build_model(arch, layout, dtype, accelerator, ddp_config=ddp_config)
+    loaded = load_torch_dist(model_sharded_state_dict(model), Path(source) / TORCH_DIST_ITERATION_DIR)
+    for i, chunk in enumerate(model):
+        unwrap(chunk).load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
+    return model
 
 
 def full_vocab_logits(output: torch.Tensor, vocab_size: int) -> torch.Tensor:
