@@ -29,7 +29,7 @@ from tasks.train_chunk import train_chunk
 
 
 def engine_job(engine: EngineSettings, training: TrainingPlan, evaluation: EvaluationSettings,
-               model_uri: str, model_hash: str, data: TrainData, train_asset: StagedAsset,
+               trainable: TrainableModel, data: TrainData, train_asset: StagedAsset,
                eval_assets: list[StagedAsset], ray_address: str | None) -> EngineJob:
     """The parameters and staged assets as the engine job every stage shares."""
     eval_flags = {"n-samples-per-eval-prompt": evaluation.n_samples, "eval-input-key": evaluation.input_key,
@@ -38,11 +38,14 @@ def engine_job(engine: EngineSettings, training: TrainingPlan, evaluation: Evalu
                   "eval-temperature": evaluation.temperature}
     return EngineJob(
         flags={**engine.flags, **{k: v for k, v in eval_flags.items() if v is not None}},
-        num_rollouts=training.num_rollouts, model_uri=model_uri, model_manifest_hash=model_hash,
+        num_rollouts=training.num_rollouts, model_uri=trainable.staged.uri,
+        model_manifest_hash=trainable.staged.manifest_hash,
         train_data=DatasetRef("train", train_asset.uri, train_asset.manifest_hash, data.file),
         eval_data=[DatasetRef(d.name, a.uri, a.manifest_hash, d.file)
                    for d, a in zip(evaluation.datasets, eval_assets)],
         ray_address=ray_address,
+        torch_dist_uri=trainable.uri if trainable.backend == "megatron" else None,
+        torch_dist_manifest_hash=trainable.manifest_hash if trainable.backend == "megatron" else None,
     )
 
 
@@ -76,8 +79,7 @@ def prepare_run(model: ModelSource, data: TrainData, engine: EngineSettings, tra
     # flow would go on with None in its place.
     trainable = convert_checkpoint(model_asset.result(), engine.flags.get("train-backend", "torch"), root)
     train_asset, eval_assets = train_future.result(), [f.result() for f in eval_futures]
-    job = engine_job(engine, training, evaluation, trainable.uri, trainable.manifest_hash, data,
-                     train_asset, eval_assets, ray_address)
+    job = engine_job(engine, training, evaluation, trainable, data, train_asset, eval_assets, ray_address)
     return PreparedRun(root, image_info, trainable, train_asset, eval_assets, job)
 
 

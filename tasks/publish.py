@@ -67,6 +67,8 @@ def build_lineage(job: EngineJob, chunks: list[ChunkOutcome], evaluation: EvalOu
     return {
         "image": image,
         "model": _asset(model),
+        "torch_dist": ({"uri": job.torch_dist_uri, "manifest_sha256": job.torch_dist_manifest_hash}
+                       if job.torch_dist_uri else None),  # the Megatron trainer's initial weights, converted
         "datasets": [_asset(d) for d in datasets],
         "config": {"identity_hash": job.identity_hash, "engine_config_hash": chunks[-1].config_hash,
                    "engine_flags": job.flags, "num_rollouts": job.num_rollouts},
@@ -176,6 +178,9 @@ def render_report(job: EngineJob, layout: RunLayout, summary: dict[str, float | 
     lines += ["", "## Lineage", "",
               f"- model: `{lineage['model']['source']}` revision `{lineage['model']['revision']}` "
               f"(manifest `{lineage['model']['manifest_sha256'][:16]}`)"]
+    if lineage.get("torch_dist"):  # absent from lineages published before it was recorded
+        lines += [f"- trained from: `{lineage['torch_dist']['uri']}`, the model converted to Megatron torch_dist "
+                  f"(manifest `{lineage['torch_dist']['manifest_sha256'][:16]}`)"]
     lines += [f"- dataset: `{d['source']}` revision `{d['revision']}`" for d in lineage["datasets"]]
     lines += [f"- image: `{lineage['image']['reference']}` @ `{lineage['image']['digest']}`" if lineage["image"]
               else "- image: none checked (local run)",

@@ -91,6 +91,10 @@ class EngineJob:
     train_data: DatasetRef
     eval_data: list[DatasetRef] = field(default_factory=list)
     ray_address: str | None = None
+    # train-backend megatron: the model converted to torch_dist, the trainer's initial weights (--ref-load);
+    # --hf-checkpoint stays the HF model, which vLLM, the tokenizer and the HF export read.
+    torch_dist_uri: str | None = None
+    torch_dist_manifest_hash: str | None = None
 
     @property
     def identity_hash(self) -> str:
@@ -143,6 +147,11 @@ def localize(job: EngineJob, layout: RunLayout) -> dict[str, Any]:
         "save": str(work / "checkpoints"),
         "output-dir": str(work / "output"),
     }
+    if job.torch_dist_uri is not None:
+        if job.flags.get("ref-load") is not None:
+            raise ValueError(f"engine flag ref-load {job.flags['ref-load']!r}: with train-backend megatron the "
+                             "pipeline sets --ref-load to the converted model; remove the flag")
+        flags["ref-load"] = str(fetch(job.torch_dist_uri, assets / f"torch_dist-{job.torch_dist_manifest_hash[:16]}"))
     if job.eval_data:
         flags["eval-prompt-data"] = [v for ref in job.eval_data for v in (ref.name, local(ref))]
     if job.ray_address:

@@ -21,6 +21,7 @@ import functools
 import importlib
 import sys
 import types
+from pathlib import Path
 
 import torch
 
@@ -180,3 +181,13 @@ def _redirect_megatron_factories() -> None:
 def prepare_ray_worker() -> None:
     """Ray's `worker_process_setup_hook` for the trainer group's rank processes in the CPU tests."""
     install_cpu_cuda_shim()
+
+
+def with_ray_worker_shim(runtime_env: dict | None) -> dict:
+    """Ray's `RAY_RUNTIME_ENV_HOOK`, for the CPU tests whose Ray is started by another process (the pipeline's
+    engine child): every job it starts gets `prepare_ray_worker` in its worker processes."""
+    runtime_env = dict(runtime_env or {})
+    runtime_env["worker_process_setup_hook"] = "tests.megatron.cpu_compat.prepare_ray_worker"
+    repo = str(Path(__file__).resolve().parents[2])
+    runtime_env["env_vars"] = {"PYTHONPATH": repo, **runtime_env.get("env_vars", {})}
+    return runtime_env
