@@ -8,7 +8,7 @@ import pytest
 from vime_engine.memory import _malloc_trim, release_free_heap
 
 BLOCK = 64 * 1024  # below glibc's mmap threshold: served from the heap, not mapped on its own
-BLOCKS = 1600  # 100 MiB
+GAPS = 1600  # 100 MiB freed between live blocks
 
 
 @pytest.mark.skipif(_malloc_trim() is None, reason="the C library has no malloc_trim (not glibc)")
@@ -17,19 +17,19 @@ def test_free_gaps_inside_the_heap_are_given_back():
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     process = psutil.Process()
-    blocks, pins = [], []
-    for _ in range(BLOCKS):  # each block followed by a small live one, so freeing the blocks leaves gaps
-        block = libc.malloc(BLOCK)
-        ctypes.memset(block, 1, BLOCK)  # touched: resident
-        blocks.append(block)
-        pins.append(libc.malloc(64))
-    for block in blocks:
+    gaps, live = [], []
+    for _ in range(GAPS):  # every other block stays allocated, so the freed ones cannot merge into the heap's top
+        for blocks in (gaps, live):
+            block = libc.malloc(BLOCK)
+            ctypes.memset(block, 1, BLOCK)  # touched: resident
+            blocks.append(block)
+    for block in gaps:
         libc.free(block)
     held = process.memory_info().rss
     try:
         assert release_free_heap()
         released = held - process.memory_info().rss
     finally:
-        for pin in pins:
-            libc.free(pin)
-    assert released > 0.8 * BLOCK * BLOCKS, f"only {released / 2**20:.1f} MiB of {BLOCK * BLOCKS / 2**20:.0f} given back"
+        for block in live:
+            libc.free(block)
+    assert released > 0.8 * BLOCK * GAPS, f"only {released / 2**20:.1f} MiB of {BLOCK * GAPS / 2**20:.0f} given back"
