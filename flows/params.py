@@ -110,7 +110,9 @@ class TrainingPlan(BaseModel):
     rollouts_per_chunk: int = Field(4, ge=1, description="rollouts per train_chunk task (a resumable unit)")
     infrastructure_retries: int = Field(3, ge=0, le=20, description="retries of a chunk after preemption, "
                                         "a dead Ray actor or a storage 5xx; other errors fail at once")
-    train_backend_conversion: bool = Field(True, description="convert HF → the backend's format when needed")
+    train_backend_conversion: bool = Field(True, description="Megatron: convert the HF model to torch_dist once "
+                                           "(verified by a round trip) and start from it; off: Megatron reads the "
+                                           "HF weights itself. The torch backend trains HF weights either way")
 
 
 class StorageTarget(BaseModel):

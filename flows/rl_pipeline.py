@@ -44,8 +44,8 @@ def engine_job(engine: EngineSettings, training: TrainingPlan, evaluation: Evalu
         eval_data=[DatasetRef(d.name, a.uri, a.manifest_hash, d.file)
                    for d, a in zip(evaluation.datasets, eval_assets)],
         ray_address=ray_address,
-        torch_dist_uri=trainable.uri if trainable.backend == "megatron" else None,
-        torch_dist_manifest_hash=trainable.manifest_hash if trainable.backend == "megatron" else None,
+        torch_dist_uri=trainable.uri if trainable.converted else None,
+        torch_dist_manifest_hash=trainable.manifest_hash if trainable.converted else None,
     )
 
 
@@ -77,7 +77,8 @@ def prepare_run(model: ModelSource, data: TrainData, engine: EngineSettings, tra
     eval_futures = [stage_data.submit(d.source, root) for d in evaluation.datasets]
     # .result() raises the staging task's own error: a task handed a failed future would not run, and the
     # flow would go on with None in its place.
-    trainable = convert_checkpoint(model_asset.result(), engine.flags.get("train-backend", "torch"), root)
+    trainable = convert_checkpoint(model_asset.result(), engine.flags.get("train-backend", "torch"), root,
+                                   training.train_backend_conversion)
     train_asset, eval_assets = train_future.result(), [f.result() for f in eval_futures]
     job = engine_job(engine, training, evaluation, trainable, data, train_asset, eval_assets, ray_address)
     return PreparedRun(root, image_info, trainable, train_asset, eval_assets, job)

@@ -54,14 +54,25 @@ class TrainableModel:
     backend: str
     staged: StagedAsset
 
+    @property
+    def converted(self) -> bool:
+        """Whether the trainer starts from a converted checkpoint rather than the staged HF model."""
+        return self.uri != self.staged.uri
+
 
 @task(name="convert_checkpoint")
-def convert_checkpoint(model: StagedAsset, train_backend: str, storage_root: str) -> TrainableModel:
+def convert_checkpoint(model: StagedAsset, train_backend: str, storage_root: str, convert: bool = True
+                       ) -> TrainableModel:
     """HF → the backend's format. The torch backend trains HF weights as they are (GGUF sources such as the
-    built-in SmolLM2 were already dequantised to HF safetensors by staging); Megatron needs torch_dist."""
+    built-in SmolLM2 were already dequantised to HF safetensors by staging). Megatron starts from a torch_dist
+    checkpoint converted once and verified by a round trip, or with `convert` off, reads the HF weights itself
+    (the engine's HF mapping) in every chunk that starts without a checkpoint."""
     if train_backend == "torch":
         return TrainableModel(model.uri, model.manifest_hash, "torch", model)
     if train_backend == "megatron":
+        if not convert:
+            require_megatron()
+            return TrainableModel(model.uri, model.manifest_hash, "megatron", model)
         return TrainableModel(*_hf_to_megatron(model, storage_root), "megatron", model)
     raise ValueError(f"unknown train backend {train_backend!r}")
 
