@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.megatron.cpu_compat import shimmed_ray_cluster
 from vime_engine.config import build_config
-from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.driver import train
 
-ROOT = Path(__file__).resolve().parents[2]
 TP2 = {"tensor-model-parallel-size": 2, "actor-num-gpus-per-node": 2}
 SAME_AFTER_RESUME = ("train/pg_loss", "train/ppo_kl", "train/entropy_loss", "rollout/raw_reward",
                      "rollout/response_len/mean")
@@ -30,15 +29,8 @@ SAME_AFTER_RESUME = ("train/pg_loss", "train/ppo_kl", "train/entropy_loss", "rol
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={
-        "worker_process_setup_hook": "tests.megatron.cpu_compat.prepare_ray_worker",
-        "env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-    })
-    with ray_cluster():  # joins the cluster started above
+    with shimmed_ray_cluster():
         yield
-    ray.shutdown()
 
 
 def _run(tiny_model, data, run_dir: Path):

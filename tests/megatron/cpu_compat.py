@@ -183,6 +183,25 @@ def prepare_ray_worker() -> None:
     install_cpu_cuda_shim()
 
 
+@contextlib.contextmanager
+def shimmed_ray_cluster(num_cpus: int = 4):
+    """A private Ray cluster whose every worker process installs the CPU shim, joined by the engine's
+    `ray_cluster()` (which then leaves it running) for the tests that drive Megatron ranks through Ray."""
+    import ray
+
+    from vime_engine.runtime.cluster import ray_cluster
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env={
+        "worker_process_setup_hook": "tests.megatron.cpu_compat.prepare_ray_worker",
+        "env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"},
+    })
+    try:
+        with ray_cluster():
+            yield
+    finally:
+        ray.shutdown()
+
+
 def with_ray_worker_shim(runtime_env: dict | None) -> dict:
     """Ray's `RAY_RUNTIME_ENV_HOOK`, for the CPU tests whose Ray is started by another process (the pipeline's
     engine child): every job it starts gets `prepare_ray_worker` in its worker processes."""

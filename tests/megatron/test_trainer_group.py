@@ -13,25 +13,16 @@ from pathlib import Path
 import pytest
 import ray
 
+from tests.megatron.cpu_compat import shimmed_ray_cluster
 from tests.megatron.helpers import fixed_rollout, tiny_config
-from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.devices import CPU
 from vime_engine.runtime.trainer_group import TrainerGroup
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray as ray_module
-
-    ray_module.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={
-        "worker_process_setup_hook": "tests.megatron.cpu_compat.prepare_ray_worker",
-        "env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-    })
-    with ray_cluster():  # joins the cluster started above
+    with shimmed_ray_cluster():
         yield
-    ray_module.shutdown()
 
 
 def _trained(model_dir: Path, **layout) -> tuple[dict, dict, TrainerGroup]:
