@@ -283,3 +283,40 @@ def test_multi_turn_conversations_cut_off_and_killed_resume_bit_identical(tmp_pa
     weights, history = _final(run_dir)
     assert weights == ref_weights
     assert history == ref_history
+
+
+# Megatron in the same run as vLLM (megatron-core 0.16 in this lane), tensor parallel over two Ray ranks (gloo):
+# each rollout is generated right after a weight sync, so Megatron's log-probs of the sampled tokens must equal
+# vLLM's (fp32), and a rank SIGKILLed in rollout 1's first optimizer step resumes from the torch_dist checkpoint
+# of rollout 0 to the same HF export, bit for bit. The ranks get the test-only CPU shim for megatron-core's
+# hard-coded CUDA calls through Ray's runtime-env hook; on CUDA and Ascend none is needed.
+MEGATRON_TP2 = {"train-backend": "megatron", "tensor-model-parallel-size": 2, "actor-num-gpus-per-node": 2,
+                "micro-batch-size": 4, "clip-grad": 0.0,  # Megatron's clipping is not usable on CPU (PLATFORM.md)
+                "num-rollout": 2, "over-sampling-batch-size": 4}  # no surplus groups: every sample is fresh
+
+
+def test_megatron_tensor_parallel_killed_mid_step_resumes_bit_identical(tmp_path_factory, base_config, monkeypatch):
+    monkeypatch.setenv("RAY_RUNTIME_ENV_HOOK", "tests.megatron.cpu_compat.with_ray_worker_shim")
+
+    def finished(run_dir: Path) -> tuple[str, list[dict]]:
+        export = hashlib.sha256((run_dir / "hf" / "model.safetensors").read_bytes()).hexdigest()
+        history = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+                   for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]
+        return export, history
+
+    def config(run_dir: Path) -> Path:
+        return _write_config(run_dir, base_config, **MEGATRON_TP2, **{"save-hf": str(run_dir / "hf")})
+
+    reference_dir = tmp_path_factory.mktemp("megatron-reference")
+    assert _run(config(reference_dir)) == 0
+    ref_export, ref_history = finished(reference_dir)
+    assert [h["rollout_id"] for h in ref_history] == [0, 1]
+    assert all(h["train/train_rollout_logprob_abs_diff"] <= 1e-5 for h in ref_history), ref_history
+    assert ref_history[0]["train/pg_loss"] != ref_history[1]["train/pg_loss"]
+
+    run_dir = tmp_path_factory.mktemp("megatron-killed")
+    # Two optimizer steps a rollout: the 3rd is rollout 1's first; the other rank waits in its collective.
+    _run(config(run_dir), fault="torch.optim.adamw:AdamW.step:3")
+    assert find_latest(run_dir / "ckpt").rollout_id == 0
+    assert _run(config(run_dir)) == 0
+    assert finished(run_dir) == (ref_export, ref_history)

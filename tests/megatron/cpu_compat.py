@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import sys
 import types
 from pathlib import Path
@@ -207,6 +208,7 @@ def with_ray_worker_shim(runtime_env: dict | None) -> dict:
     engine child): every job it starts gets `prepare_ray_worker` in its worker processes."""
     runtime_env = dict(runtime_env or {})
     runtime_env["worker_process_setup_hook"] = "tests.megatron.cpu_compat.prepare_ray_worker"
-    repo = str(Path(__file__).resolve().parents[2])
-    runtime_env["env_vars"] = {"PYTHONPATH": repo, **runtime_env.get("env_vars", {})}
+    # The repository first; what the job's process already had (e.g. the fault-injection hooks) after it.
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))
+    runtime_env["env_vars"] = {"PYTHONPATH": path, **runtime_env.get("env_vars", {})}
     return runtime_env
