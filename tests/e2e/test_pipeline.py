@@ -39,7 +39,8 @@ def test_every_stage_ran_and_the_published_report_is_consistent(prefect_api: Pre
     lineage = json.loads((out / "lineage.json").read_text())
     assert [c["rollouts"] for c in lineage["chunks"]] == [[0, 1], [2, 3]]
     for chunk in lineage["chunks"]:  # each chunk's checkpoint is committed where lineage says, with that manifest
-        ckpt_dir = deployed_run.storage_root / chunk["checkpoint"].removeprefix(deployed_run.storage_root.as_uri() + "/")
+        relative = chunk["checkpoint"].removeprefix(deployed_run.storage_root.as_uri() + "/")
+        ckpt_dir = deployed_run.storage_root / relative
         stored = json.loads((ckpt_dir / "manifest.json").read_text())
         assert stored["meta"]["engine_manifest_sha256"] == chunk["manifest_sha256"]
     assert lineage["model"]["source"] == "builtin://tiny-qwen3" and len(lineage["model"]["manifest_sha256"]) == 64
@@ -60,7 +61,8 @@ def test_every_stage_ran_and_the_published_report_is_consistent(prefect_api: Pre
     kinds = {a["type"] for a in artifacts}
     assert {"markdown", "table", "progress"} <= kinds, kinds
     links = {a["key"].rsplit("-link-", 1)[1]: a["data"] for a in artifacts if a["key"] and "-link-" in a["key"]}
-    assert set(links) == {"report", "checkpoint", "hf-export"} and lineage["chunks"][-1]["checkpoint"] in links["checkpoint"]
+    assert set(links) == {"report", "checkpoint", "hf-export"}
+    assert lineage["chunks"][-1]["checkpoint"] in links["checkpoint"]
     plots = sorted(png.name for png in (out / "plots").glob("*.png"))
     # The UI's copy of the report carries its plots inline (tests/e2e/test_ui_artifacts.py sees them rendered).
     assert any(a["type"] == "markdown" and a["data"] == embed_plots(report, out / "plots", plots) for a in artifacts)

@@ -3,8 +3,9 @@ tests/support/two_turn_agent.py:generate`): every episode is two model turns wit
 them, whatever the model writes, so a tiny random model makes real multi-turn samples.
 
 The first turn may take 4 up to `max_new_tokens` - 1 tokens, set by the sample's seed, so that conversations end at
-different engine steps (a partial rollout then has some to cut off). It reads where a cut-off episode stood from the sample alone (a trailing run of trained tokens is an unfinished
-turn), so partial rollout and a resume from the checkpoint's buffer continue it.
+different engine steps (a partial rollout then has some to cut off). It reads where a cut-off episode stood from
+the sample alone (a trailing run of trained tokens is an unfinished turn), so partial rollout and a resume from the
+checkpoint's buffer continue it.
 """
 
 from vime_engine.agents.chat_turns import tool_reply_tokens

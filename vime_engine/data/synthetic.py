@@ -226,10 +226,14 @@ _BUILDERS: dict[str, Callable[[], list[Row]]] = {
 }
 
 BUILTIN_DATASETS: dict[str, str] = {
-    "arithmetic": f"{ARITHMETIC_ROWS} one/two-digit addition and subtraction word problems, gsm8k shape (question, answer '#### N')",
-    "aime-synthetic": f"{AIME_ROWS} AIME-shaped problems with computed integer answers 0-999 (prompt, label; also question, answer), answer in \\boxed{{}}",
-    "arithmetic-demo": "one-digit sums and differences ('What is 7 + 5?'), gsm8k shape: training split for the CPU demo",
-    "arithmetic-demo-eval": f"the {DEMO_EVAL_PAIRS} operand pairs held out of arithmetic-demo, same shape: its evaluation split",
+    "arithmetic": f"{ARITHMETIC_ROWS} one/two-digit addition and subtraction word problems, gsm8k shape "
+                  "(question, answer '#### N')",
+    "aime-synthetic": f"{AIME_ROWS} AIME-shaped problems with computed integer answers 0-999 (prompt, label; also "
+                      "question, answer), answer in \\boxed{}",
+    "arithmetic-demo": "one-digit sums and differences ('What is 7 + 5?'), gsm8k shape: training split for the CPU "
+                       "demo",
+    "arithmetic-demo-eval": f"the {DEMO_EVAL_PAIRS} operand pairs held out of arithmetic-demo, same shape: its "
+                            "evaluation split",
     "calculator": f"{CALCULATOR_ROWS} two-step problems on two-digit numbers as chats offering a calculator tool "
                   "(prompt messages, label): the calculator agent's task",
     "calculator-eval": f"{CALCULATOR_EVAL_ROWS} more of them from another seed: its evaluation set",
