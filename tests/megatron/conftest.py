@@ -1,7 +1,7 @@
 """The Megatron lane (Python 3.12, .venv-megatron; see scripts/ensure-venv-megatron).
 
 Under the main lane's Python 3.11 this folder collects nothing (its Megatron-in-the-loop test is
-tests/component/test_megatron_loop.py, on megatron-core 0.16). Under 3.12 megatron-core 0.19 (and megatron-bridge,
+the Megatron case of tests/component/test_resume.py, on megatron-core 0.16). Under 3.12 megatron-core 0.19 (and megatron-bridge,
 which one test compares our HF mapping with) must import; a missing package fails the run instead of skipping.
 """
 
