@@ -1,8 +1,9 @@
 """The Megatron lane (Python 3.12, .venv-megatron; see scripts/ensure-venv-megatron).
 
-Under the main lane's Python 3.11 this folder collects nothing (its Megatron-in-the-loop test is
-the Megatron case of tests/component/test_resume.py, on megatron-core 0.16). Under 3.12 megatron-core 0.19 (and megatron-bridge,
-which one test compares our HF mapping with) must import; a missing package fails the run instead of skipping.
+Under the main lane's Python 3.11 this folder collects nothing (its Megatron-in-the-loop test is the Megatron
+case of tests/component/test_resume.py, on megatron-core 0.16). Under 3.12 megatron-core 0.19 (and
+megatron-bridge, which one test compares our HF mapping with) must import; a missing package fails the run
+instead of skipping.
 """
 
 from __future__ import annotations
