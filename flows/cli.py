@@ -147,7 +147,7 @@ def train(
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Run GRPO-style RL with vime flags, e.g. `vimeflow train --config my.yaml --num-rollout 20`."""
-    from flows.console_view import LiveView, output_to_file, quiet_environment
+    from flows.console_view import LiveView, engine_warnings_on, output_to_file, quiet_environment
     from vime_engine.runtime.cluster import keep_local_ray_on_loopback
 
     if not verbose:
@@ -169,6 +169,8 @@ def train(
     failure = None
     with contextlib.ExitStack() as stack:
         screen = stack.enter_context(output_to_file(log_file)) if log_file is not None else console
+        if log_file is not None:  # with --verbose they reach stderr as they always did
+            stack.enter_context(engine_warnings_on(screen))
         view = stack.enter_context(LiveView(screen, cfg.rollout.num_rollout, "training"))
 
         def on_rollout(rollout_id: int, metrics: dict) -> None:

@@ -126,6 +126,29 @@ def _loggers() -> list[logging.Logger]:
                                    if isinstance(lg, logging.Logger))]
 
 
+class _ConsoleHandler(logging.Handler):
+    def __init__(self, console: Console):
+        super().__init__(logging.WARNING)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.console.print(f"{record.levelname.lower()}: {record.getMessage()}", style="yellow", soft_wrap=True,
+                           highlight=False, markup=False)
+
+
+@contextlib.contextmanager
+def engine_warnings_on(console: Console) -> Iterator[None]:
+    """The engine's own warnings in this process (a corrupt checkpoint skipped, prompts dropped for length, an
+    engine restarted) on the terminal too, above the live view, while the rest of the output goes to the log."""
+    handler = _ConsoleHandler(console)
+    engine_logger = logging.getLogger("vime_engine")
+    engine_logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        engine_logger.removeHandler(handler)
+
+
 @contextlib.contextmanager
 def output_to_file(log_file: Path) -> Iterator[Console]:
     """Point this process's stdout and stderr descriptors (and so every child's and Ray's forwarded worker

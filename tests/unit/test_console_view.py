@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from flows.console_view import failing_pid, log_tail, output_to_file
+from flows.console_view import engine_warnings_on, failing_pid, log_tail, output_to_file
 from tasks.engine_process import EngineCodeFailure
 from tasks.publish import embed_plots
 
@@ -23,6 +23,19 @@ def test_output_to_file_sends_every_writer_to_the_log_and_keeps_a_terminal_conso
     captured = capfd.readouterr()
     assert log.read_text().splitlines() == ["from python", "from a C library", "from a child process"]
     assert captured.out.splitlines() == ["live view", "after"] and captured.err == ""
+
+
+def test_the_engines_warnings_reach_the_terminal_while_its_output_goes_to_a_file(tmp_path, capfd):
+    import logging
+
+    log = tmp_path / "engine.log"
+    with output_to_file(log) as screen, engine_warnings_on(screen):
+        logging.getLogger("vime_engine.runtime.run_state").warning("skipping checkpoint %s: corrupt", "rollout_3")
+        logging.getLogger("vime_engine.runtime.run_state").info("resuming from rollout_2")
+        logging.getLogger("ray").warning("a Ray notice")
+    terminal = capfd.readouterr().out
+    assert "skipping checkpoint rollout_3: corrupt" in terminal
+    assert "resuming" not in terminal and "Ray notice" not in terminal
 
 
 def test_log_tail_keeps_the_failing_workers_lines_without_colours(tmp_path):

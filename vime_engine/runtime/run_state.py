@@ -60,7 +60,7 @@ class RunContext:
             try:
                 state = _restore(cfg, found, workers, data)
             except ckpt.CheckpointError as exc:
-                log.warning("skipping checkpoint: %s", exc)
+                log.warning("skipping checkpoint %s: %s", found.path.name, exc)
                 continue
             log.info("resuming from %s at rollout %d", found.path, state.next_rollout_id)
             break
@@ -155,8 +155,8 @@ def _restore(cfg: EngineConfig, found: ckpt.CheckpointRef, workers: Workers, dat
     carry = pickle.loads(found.read_verified(BUFFER_FILE))
     try:
         workers.trainer.load_state(str(found.path), found.manifest.files)
-    except ChecksumMismatch as exc:  # raised in the trainer's process, checked while loading
-        raise ckpt.CheckpointError(str(exc)) from None
+    except ChecksumMismatch as exc:  # raised in a trainer rank while loading: Ray's error wraps it as its `cause`
+        raise ckpt.CheckpointError(str(getattr(exc, "cause", exc))) from None
     data.load_state_dict(saved["data_cursor"])
     return RunState(
         next_rollout_id=saved["rollout_id"] + 1, weight_version=saved["weight_version"],
