@@ -182,8 +182,9 @@ def _fill(value: object, tmp: Path, model: Path) -> object:
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_bad_input_is_refused_naming_where_and_the_fix(case: Case, tmp_path: Path, tiny_model: Path, monkeypatch):
-    if case.id == "megatron-not-installed":  # megatron-core is part of this environment: make it unimportable
-        monkeypatch.setitem(sys.modules, "megatron", None)
+    if case.id == "megatron-not-installed":  # megatron-core is part of this environment: make it unimportable,
+        for name in ["megatron", *(n for n in sys.modules if n.startswith("megatron."))]:  # imported ones too
+            monkeypatch.setitem(sys.modules, name, None)
     for name, content in case.files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, bytes):
