@@ -7,36 +7,27 @@ run in a fresh process with the auth token in its environment and Ray's loopback
 
 from __future__ import annotations
 
-import os
-import secrets
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import ray
 import torch
 
+from tests.support.multinode import run_module_on_a_local_cluster
 from vime_engine.config import build_config
 from vime_engine.data.records import PromptRecord
 from vime_engine.models.builtin import materialize_builtin_model
 from vime_engine.rollout.worker import train_plan
-from vime_engine.runtime.cluster import SINGLE_NODE_SWITCH
 from vime_engine.runtime.devices import CPU
 from vime_engine.runtime.workers import Workers
 
-REPO = Path(__file__).resolve().parents[2]
 RECORDS = [PromptRecord([{"role": "user", "content": f"What is {a} + {b}?"}], str(a + b)) for a, b in
            [(3, 4), (12, 9), (7, 21), (5, 5)]]
 
 
 def test_engines_on_their_own_nodes_load_every_sync():
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           SINGLE_NODE_SWITCH: "0"}
-    run = subprocess.run([sys.executable, "-m", "tests.component.test_rollout_group_multinode"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=420)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    assert "trainer and engines on three nodes, in sync" in run.stdout
+    stdout = run_module_on_a_local_cluster("tests.component.test_rollout_group_multinode", timeout=420)
+    assert "trainer and engines on three nodes, in sync" in stdout
 
 
 def _node_of(actor) -> str:

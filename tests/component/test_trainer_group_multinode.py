@@ -9,20 +9,16 @@ address, where the test cluster does not listen.
 
 from __future__ import annotations
 
-import os
 import random
-import secrets
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import ray
 import torch
 
+from tests.support.multinode import run_module_on_a_local_cluster
 from vime_engine.config import build_config
 from vime_engine.models.builtin import materialize_builtin_model
-from vime_engine.runtime.cluster import SINGLE_NODE_SWITCH
 from vime_engine.runtime.devices import CPU
 from vime_engine.runtime.trainer_group import TrainerGroup
 from vime_engine.sample import Sample
@@ -36,16 +32,9 @@ def _samples(vocab: int) -> list[Sample]:
             for i, response in enumerate(responses)]
 
 
-REPO = Path(__file__).resolve().parents[2]
-
-
 def test_one_rank_per_node_trains_in_step():
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           SINGLE_NODE_SWITCH: "0"}
-    run = subprocess.run([sys.executable, "-m", "tests.component.test_trainer_group_multinode"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    assert "one rank per node, in step" in run.stdout
+    stdout = run_module_on_a_local_cluster("tests.component.test_trainer_group_multinode", timeout=300)
+    assert "one rank per node, in step" in stdout
 
 
 def check_one_rank_per_node_trains_in_step(model: Path) -> None:
