@@ -50,17 +50,17 @@ class ObjectStoreSync:
         self.trainer, self.engines = trainer_group, engines
 
     def sync(self, version: int) -> float:
-        weights, others = self.trainer.weights_ref()  # one put, read by every engine
-        seconds = ray.get([engine.update_weights.remote(weights, version) for engine in self.engines])
-        ray.get(others)
-        return max(seconds)
+        return self._load(self.engines, version)
 
     def sync_engine(self, engine, version: int) -> float:
         """Load the trainer's weights, as `version`, into one engine (a restarted one)."""
-        weights, others = self.trainer.weights_ref()
-        seconds = ray.get(engine.update_weights.remote(weights, version))
+        return self._load([engine], version)
+
+    def _load(self, engines: list, version: int) -> float:
+        weights, others = self.trainer.weights_ref()  # one put, read by every engine
+        seconds = ray.get([engine.update_weights.remote(weights, version) for engine in engines])
         ray.get(others)
-        return seconds
+        return max(seconds)
 
 
 class BroadcastSync:
