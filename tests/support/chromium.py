@@ -25,16 +25,28 @@ class Page:
     def __init__(self, websocket_url: str):
         self.ws = connect(websocket_url, max_size=64 * 2**20)
         self.ids = itertools.count(1)
+        self.errors: list[str] = []  # the page's uncaught exceptions and error-level log entries, for failures
+        self.call("Runtime.enable")
+        self.call("Log.enable")
 
     def call(self, method: str, **params: Any) -> dict:
         call_id = next(self.ids)
         self.ws.send(json.dumps({"id": call_id, "method": method, "params": params}))
         while True:  # events arrive in between; the answer carries our id
             message = json.loads(self.ws.recv(timeout=120))
+            self._keep_error(message)
             if message.get("id") == call_id:
                 if "error" in message:
                     raise RuntimeError(f"{method}: {message['error']}")
                 return message["result"]
+
+    def _keep_error(self, message: dict) -> None:
+        params = message.get("params", {})
+        if message.get("method") == "Runtime.exceptionThrown":
+            details = params["exceptionDetails"]
+            self.errors.append(details.get("exception", {}).get("description") or details.get("text", ""))
+        elif message.get("method") == "Log.entryAdded" and params["entry"]["level"] == "error":
+            self.errors.append(f"{params['entry']['text']} {params['entry'].get('url', '')}")
 
     def evaluate(self, expression: str) -> Any:
         result = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
@@ -42,16 +54,27 @@ class Page:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def open(self, url: str, ready: str, until: Callable[[Any], bool], timeout: float = 180) -> Any:
-        """Navigate to `url` and poll the expression `ready` until `until(value)`; returns that value."""
+    def open(self, url: str, ready: str, until: Callable[[Any], bool], timeout: float = 180,
+             reload_after: float = 60) -> Any:
+        """Navigate to `url` and poll the expression `ready` until `until(value)`; returns that value.
+
+        A page still not rendered after `reload_after` seconds is loaded once more, as a person would: once in CI
+        the report page stayed empty for 180 s while it rendered on every run here. On a timeout the message
+        carries what the tab shows and the errors the page logged.
+        """
         self.call("Page.navigate", url=url)
-        deadline, value = time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
+        start, value, reloaded = time.monotonic(), None, False
+        while time.monotonic() < start + timeout:
             value = self.evaluate(ready)
             if until(value):
                 return value
+            if not reloaded and time.monotonic() > start + reload_after:
+                self.call("Page.navigate", url=url)
+                reloaded = True
             time.sleep(1)
-        raise TimeoutError(f"{url} did not render within {timeout:.0f} s: {ready} = {value!r}")
+        shown = self.evaluate("[location.href, document.title, (document.body?.innerText ?? '').slice(0, 800)]")
+        raise TimeoutError(f"{url} did not render within {timeout:.0f} s (loaded twice): {ready} = {value!r}; "
+                           f"the tab shows {shown!r}; the page's errors: {self.errors[-10:]!r}")
 
     def screenshot(self, path: Path) -> None:
         data = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)["data"]
