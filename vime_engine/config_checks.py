@@ -5,7 +5,7 @@ Each rule that fails raises ConfigError with a message naming the flags involved
 
 from __future__ import annotations
 
-from vime_engine.config import (
+from vime_engine.config.sections import (
     _PARALLEL_FLAGS, AlgorithmConfig, ConfigError, EngineConfig, LoggingConfig, _flag,
 )
 

@@ -1,10 +1,10 @@
-"""Every flag acts: each EngineConfig field (and Megatron pass-through flag) is read by code outside config.py and
-its rules (config_checks.py), or is refused when set, or only feeds a derived value that is read. A field nobody
-reads is a flag that tells a user their setting took effect when it did not.
+"""Every flag acts: each EngineConfig field (and Megatron pass-through flag) is read by code outside the config
+package (vime_engine/config/) and its rules (config_checks.py), or is refused when set, or only feeds a derived value
+that is read. A field nobody reads is a flag that tells a user their setting took effect when it did not.
 
-Reads are found in the source of vime_engine/, tasks/ and flows/ (those two files excluded): `<section>.<field>`
-(`cfg.train.lr`), `<alias>.<field>` where `<alias> = <something>.<section>` (`t = cfg.train; t.lr`,
-`e, r = cfg.eval, cfg.rollout`), the field's name quoted (flat dicts, `flags.get("…")`), and for Megatron flags
+Reads are found in the source of vime_engine/, tasks/ and flows/ (the package and config_checks.py excluded):
+`<section>.<field>` (`cfg.train.lr`), `<alias>.<field>` where `<alias> = <something>.<section>` (`t = cfg.train;
+t.lr`, `e, r = cfg.eval, cfg.rollout`), the field's name quoted (flat dicts, `flags.get("…")`), and for Megatron flags
 the quoted flag name.
 """
 
@@ -20,7 +20,7 @@ from vime_engine.config import MEGATRON_FLAGS, SECTIONS, ConfigError, build_conf
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = {"hf-checkpoint": "/models/m", "prompt-data": "/data/p.jsonl"}
 
-# Fields read only through a derived value of EngineConfig, which is then read outside config.py.
+# Fields read only through a derived value of EngineConfig, which is then read outside the config package.
 DERIVED = {"num_steps_per_rollout": "global_batch_size", "global_batch_size": "global_batch_size",
            "eps_clip_high": "eps_clip_high", "rollout_num_gpus": "rollout_engines"}
 # Fields that cannot act yet and are refused when set (flag value that must raise ConfigError, and why).
@@ -35,8 +35,9 @@ REFUSED.update({
 
 def _source() -> str:
     files = [p for d in ("vime_engine", "tasks", "flows") for p in (REPO / d).rglob("*.py")]
-    config = {REPO / "vime_engine" / "config.py", REPO / "vime_engine" / "config_checks.py"}
-    return "\n".join(p.read_text() for p in files if p not in config)
+    config = REPO / "vime_engine" / "config"
+    checks = REPO / "vime_engine" / "config_checks.py"
+    return "\n".join(p.read_text() for p in files if config not in p.parents and p != checks)
 
 
 SOURCE = _source()
@@ -69,9 +70,10 @@ def test_every_engine_field_is_read_outside_config(section, field):
     if field in DERIVED:
         assert re.search(rf"\.{DERIVED[field]}\b", SOURCE), f"--{field} feeds {DERIVED[field]}, which nobody reads"
         return
-    assert _read(section, field), f"--{field.replace('_', '-')} is parsed but no code outside config.py reads it"
+    flag = field.replace("_", "-")
+    assert _read(section, field), f"--{flag} is parsed but no code outside vime_engine/config/ reads it"
 
 
 @pytest.mark.parametrize("flag", sorted(MEGATRON_FLAGS))
 def test_every_megatron_flag_reaches_the_megatron_backend(flag):
-    assert f'"{flag}"' in SOURCE, f"--{flag} is accepted but neither config.py's checks nor the backend read it"
+    assert f'"{flag}"' in SOURCE, f"--{flag} is accepted but neither config_checks.py nor the backend read it"
