@@ -5,9 +5,9 @@ Each rule that fails raises ConfigError with a message naming the flags involved
 
 from __future__ import annotations
 
-from vime_engine.config.sections import (
-    _PARALLEL_FLAGS, AlgorithmConfig, ConfigError, EngineConfig, LoggingConfig, _flag,
-)
+from vime_engine.config import AlgorithmConfig, ConfigError, EngineConfig, LoggingConfig
+from vime_engine.config.errors import flag_name
+from vime_engine.config.megatron_flags import PARALLEL_FLAGS
 
 
 def check_combinations(cfg: EngineConfig) -> None:
@@ -76,7 +76,7 @@ def _check_parallel_layout(cfg: EngineConfig) -> None:
     world = cfg.trainer_world_size
     ranks = f"--actor-num-nodes {p.actor_num_nodes} × --actor-num-gpus-per-node {p.actor_num_gpus_per_node} = {world}"
     if t.train_backend == "torch":
-        parallel = [f"--{f} {cfg.megatron[f]}" for f in _PARALLEL_FLAGS if cfg.megatron.get(f, 1) not in (1, None)]
+        parallel = [f"--{f} {cfg.megatron[f]}" for f in PARALLEL_FLAGS if cfg.megatron.get(f, 1) not in (1, None)]
         if parallel:
             raise ConfigError(
                 f"{', '.join(parallel)} need --train-backend megatron (the torch backend is data parallel only)"
@@ -171,7 +171,7 @@ def _check_vime_hooks(cfg: EngineConfig) -> None:
 
 def _check_tracking(lg: LoggingConfig) -> None:
     for tracker, used in (("wandb", lg.use_wandb), ("mlflow", lg.use_mlflow)):
-        unused = [_flag(k) for k, v in lg if k.startswith(f"{tracker}_") and v is not None and not used]
+        unused = [flag_name(k) for k, v in lg if k.startswith(f"{tracker}_") and v is not None and not used]
         if unused:
             raise ConfigError(f"{', '.join(unused)} take effect only with --use-{tracker}: add it, or drop them")
     if lg.mlflow_run_id is not None and lg.mlflow_experiment_name is not None:

@@ -28,7 +28,7 @@ class VimeArgs:
         except KeyError:
             raise AttributeError(
                 f"args.{name}: vimeflow has no flag --{name.replace('_', '-')}; plugins see vimeflow's flags under "
-                "vime's names (EngineConfig fields, see vime_engine/config.py)"
+                "vime's names (EngineConfig fields, see vime_engine/config/sections.py)"
             ) from None
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -1,25 +1,16 @@
-"""EngineConfig: one typed, validated configuration for the RL engine.
+"""The sections of EngineConfig: one pydantic model per part of the engine that reads it.
 
-Every field is also a vime/slime-style command-line flag: the field `rollout_batch_size` is the flag
-`--rollout-batch-size`, so a vime user's launch script carries over. Sections group the fields by the part of
-the engine that reads them; flag names are unique across sections. YAML files use the same flat names
-(`rollout-batch-size: 16` or `rollout_batch_size: 16`); flags given on the command line win over the file.
+A field's name is its flag (`rollout_batch_size` is `--rollout-batch-size`); names are unique across sections.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Hashable
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the flag and the fix."""
+from vime_engine.config.errors import flag_name
+from vime_engine.config.switches import switch_value
 
 
 class _Section(BaseModel):
@@ -132,9 +123,10 @@ class RolloutConfig(_Section):
             if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
                 raise ValueError(f"--vllm-max-num-batched-tokens {value!r}: expected a positive integer or auto")
             return int(text)
-        if isinstance(value, bool) or text in _TRUE + _FALSE:
-            return value if isinstance(value, bool) else text in _TRUE
-        raise ValueError(f"{_flag(info.field_name)} {value!r}: expected true, false or auto")
+        switch = switch_value(value)
+        if switch is None:
+            raise ValueError(f"{flag_name(info.field_name)} {value!r}: expected true, false or auto")
+        return switch
 
 
 class RewardConfig(_Section):
@@ -259,25 +251,6 @@ class LoggingConfig(_Section):
     )
 
 
-# Megatron-Core flags: accepted so vime scripts carry over, handed to the Megatron backend untouched.
-MEGATRON_FLAGS: dict[str, type] = {
-    "tensor-model-parallel-size": int,
-    "pipeline-model-parallel-size": int,
-    "context-parallel-size": int,
-    "expert-model-parallel-size": int,
-    "expert-tensor-parallel-size": int,
-    "sequence-parallel": bool,
-    "recompute-granularity": str,
-    "recompute-method": str,
-    "recompute-num-layers": int,
-    "attention-dropout": float,
-    "hidden-dropout": float,
-    "accumulate-allreduce-grads-in-fp32": bool,
-    "attention-softmax-in-fp32": bool,
-    "attention-backend": str,
-}
-_PARALLEL_FLAGS = [f for f in MEGATRON_FLAGS if f.endswith("parallel-size")]
-
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -291,339 +264,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "logging": LoggingConfig,
 }
 
-# Fields that do not change the trained weights: they may differ between a checkpoint and the run resuming it.
-# Paths are among them: a resumed chunk may see the same model and data under other paths (another machine, a
-# ModelArts container); content identity is the orchestrator's job (staged manifests in the chunk cache key),
-# and the checkpoint itself refuses a dataset of another size or weights of another shape.
-NON_MATH_FIELDS = {
-    "hf_checkpoint", "ref_load", "prompt_data", "custom_rm_path", "rm_url", "dynamic_sampling_filter_path",
-    "custom_generate_function_path",
-    "buffer_filter_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
-    "custom_reward_post_process_path", "custom_advantage_function_path", "rollout_function_path",
-    "eval_function_path",
-    "num_rollout", "start_rollout_id", "save", "save_interval", "load", "keep_last", "save_hf",
-    *LoggingConfig.model_fields, "ray_address", "balance_data",
-    "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
-    "eval_temperature", "eval_top_p", "eval_input_key", "eval_label_key", "eval_rm_type",
-    "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "rollout_num_gpus", "rollout_num_gpus_per_engine",
-    "actor_num_nodes", "actor_num_gpus_per_node", "weight_sync", "weight_sync_bucket_mb",
-    "use_fault_tolerance", "rollout_health_check_interval", "rollout_health_check_timeout",
-    "rollout_health_check_first_wait", "rollout_max_engine_restarts",
-    "vllm_enforce_eager", "vllm_enable_prefix_caching", "vllm_enable_chunked_prefill", "vllm_max_num_batched_tokens",
-}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    model: ModelConfig
-    data: DataConfig
-    rollout: RolloutConfig = RolloutConfig()
-    reward: RewardConfig = RewardConfig()
-    algorithm: AlgorithmConfig = AlgorithmConfig()
-    train: TrainConfig = TrainConfig()
-    placement: PlacementConfig = PlacementConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    eval: EvalConfig = EvalConfig()
-    logging: LoggingConfig = LoggingConfig()
-    megatron: dict[str, Any] = Field(default_factory=dict, description="Megatron-Core flags, passed through")
-
-    @model_validator(mode="after")
-    def _check_combinations(self) -> EngineConfig:
-        # Imported here: the checks read this module's types and errors, so it must be loaded first.
-        from vime_engine.config_checks import check_combinations
-
-        check_combinations(self)
-        return self
-
-    # -- derived values -------------------------------------------------------------------------------------
-    @property
-    def samples_per_rollout(self) -> int:
-        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
-
-    @property
-    def global_batch_size(self) -> int:
-        if self.train.global_batch_size is not None:
-            return self.train.global_batch_size
-        return self.samples_per_rollout // (self.train.num_steps_per_rollout or 1)
-
-    @property
-    def trainer_world_size(self) -> int:
-        """Trainer ranks: `--actor-num-nodes × --actor-num-gpus-per-node`."""
-        return self.placement.actor_num_nodes * self.placement.actor_num_gpus_per_node
-
-    @property
-    def rollout_engines(self) -> int:
-        """vLLM engines of the rollout group: `--rollout-num-gpus / --rollout-num-gpus-per-engine` (one without
-        `--rollout-num-gpus`)."""
-        r = self.rollout
-        return 1 if r.rollout_num_gpus is None else r.rollout_num_gpus // r.rollout_num_gpus_per_engine
-
-    @property
-    def model_parallel_size(self) -> int:
-        """Tensor × pipeline × context parallel size (1 for the torch backend)."""
-        m = self.megatron
-        return (m.get("tensor-model-parallel-size") or 1) * (m.get("pipeline-model-parallel-size") or 1) * (
-            m.get("context-parallel-size") or 1)
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.trainer_world_size // self.model_parallel_size
-
-    @property
-    def eps_clip_high(self) -> float:
-        return self.algorithm.eps_clip if self.algorithm.eps_clip_high is None else self.algorithm.eps_clip_high
-
-    @property
-    def eval_datasets(self) -> list[tuple[str, str]]:
-        items = self.eval.eval_prompt_data or []
-        return list(zip(items[0::2], items[1::2]))
-
-    def flat(self) -> dict[str, Any]:
-        """All fields by their flat (flag) names."""
-        out: dict[str, Any] = {}
-        for section in SECTIONS:
-            out.update(getattr(self, section).model_dump())
-        out.update({f"megatron.{k}": v for k, v in self.megatron.items()})
-        return out
-
-    def _non_math_fields(self) -> set[str]:
-        # The run length sets the LR schedule's length unless the LR is constant or the decay length is given.
-        if self.train.lr_decay_style != "constant" and self.train.lr_decay_iters is None:
-            return NON_MATH_FIELDS - {"num_rollout"}
-        return NON_MATH_FIELDS
-
-    def math_fields(self) -> dict[str, Any]:
-        """The fields that change the trained weights; a checkpoint resumes only under equal values."""
-        skip = self._non_math_fields()
-        return {k: v for k, v in self.flat().items() if k not in skip}
-
-    def math_hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.math_fields(), sort_keys=True, default=str).encode()).hexdigest()
-
-    def math_diff(self, saved_math_fields: dict[str, Any]) -> list[str]:
-        """`--flag: saved -> now` for every math field that differs from a checkpoint's `math_fields()`."""
-        mine = json.loads(json.dumps(self.math_fields(), default=str))
-        keys = set(mine) | set(saved_math_fields)
-        return sorted(
-            f"{_flag(k)}: {saved_math_fields.get(k)!r} -> {mine.get(k)!r}"
-            for k in keys
-            if mine.get(k) != saved_math_fields.get(k)
-        )
-
-    def with_overrides(self, **flat_values: Any) -> EngineConfig:
-        """A copy with some flat fields replaced (validated)."""
-        values = self.flat()
-        values.update(flat_values)
-        return from_flat(values)
-
-
-# -- building from YAML and flags -------------------------------------------------------------------------------
-_FIELD_SECTION: dict[str, str] = {
+# A field's section, by the field's (flat) name; names are unique across sections.
+FIELD_SECTION: dict[str, str] = {
     name: section for section, model in SECTIONS.items() for name in model.model_fields
 }
-
-
-def from_flat(values: dict[str, Any]) -> EngineConfig:
-    """Build from flat names (`rollout_batch_size` / `rollout-batch-size`); Megatron flags go to `megatron`."""
-    nested: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    megatron: dict[str, Any] = {}
-    unknown = []
-    for raw_key, value in values.items():
-        key = raw_key.replace("-", "_")
-        if key.startswith("megatron."):
-            name = key.removeprefix("megatron.").replace("_", "-")
-            megatron[name] = _typed_megatron_value(name, value)
-        elif key in _FIELD_SECTION:
-            nested[_FIELD_SECTION[key]][key] = value
-        elif key.replace("_", "-") in MEGATRON_FLAGS:
-            megatron[key.replace("_", "-")] = _typed_megatron_value(key.replace("_", "-"), value)
-        else:
-            unknown.append(raw_key)
-    if unknown:
-        raise ConfigError(_unknown_message([_flag(k) for k in unknown]))
-    try:
-        return EngineConfig(**{s: v for s, v in nested.items() if v or s in ("model", "data")}, megatron=megatron)
-    except ValidationError as exc:
-        raise ConfigError(_validation_message(exc)) from None
-
-
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
-def _typed_megatron_value(name: str, value: Any) -> Any:
-    """A Megatron pass-through flag's value as its declared type (flags arrive as text: `--sequence-parallel=false`
-    must be False, `--recompute-num-layers 4` the int 4)."""
-    kind = MEGATRON_FLAGS.get(name)
-    if kind is None or value is None:
-        return value
-    if kind is bool:
-        text = str(value).strip().lower()
-        if isinstance(value, bool) or text in _TRUE + _FALSE:
-            return value if isinstance(value, bool) else text in _TRUE
-        raise ConfigError(f"--{name} {value!r}: expected true or false")
-    if kind is str:
-        return str(value)
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        return float(value) if kind is float else int(str(value))
-    except ValueError:
-        raise ConfigError(f"--{name} {value!r}: expected {'an integer' if kind is int else 'a number'}") from None
-
-
-def _validation_message(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = [str(p) for p in err["loc"]]
-        if err["type"] == "missing":
-            missing = [loc[-1]] if len(loc) > 1 else [
-                n for n, f in SECTIONS[loc[0]].model_fields.items() if f.is_required()
-            ]
-            lines.append(f"missing required {' and '.join(_flag(n) for n in missing)}")
-            continue
-        flag = _flag(loc[-1]) if len(loc) > 1 else "config"
-        if err["type"] == "value_error":
-            lines.append(str(err.get("ctx", {}).get("error", err["msg"])))
-        else:
-            lines.append(f"{flag} {err.get('input')!r}: {err['msg']}")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
-
-
-def _unknown_message(flags: list[str]) -> str:
-    import difflib
-
-    known = [_flag(n) for n in _FIELD_SECTION] + [f"--{f}" for f in MEGATRON_FLAGS]
-    parts = []
-    for flag in flags:
-        close = difflib.get_close_matches(flag, known, n=1)
-        parts.append(f"unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else ""))
-    return "; ".join(parts)
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last
-    value silently, so a config edited in two places would train with whichever came later)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        first_line: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may be repeated by design
-                continue
-            key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, Hashable):
-                continue  # the base constructor reports unhashable keys itself
-            if key in first_line:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first given on line {first_line[key] + 1}); keep one of them",
-                    key_node.start_mark,
-                )
-            first_line[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep)
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """The flat flag values of a YAML file; every problem is a ConfigError naming the file and, for syntax
-    errors and duplicate keys, the line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--config {path}: no such file" + (" (it is a directory)" if path.is_dir() else ""))
-    try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
-    except yaml.MarkedYAMLError as exc:
-        raise ConfigError(_yaml_error_message(path, exc)) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path}: not valid YAML ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of flag names to values, found {type(data).__name__}")
-    not_names = [k for k in data if not isinstance(k, str)]
-    if not_names:
-        raise ConfigError(
-            f"--config {path}: {not_names[0]!r} is not a flag name; keys are names like rollout-batch-size"
-        )
-    return data
-
-
-def _yaml_error_message(path: Path, exc: yaml.MarkedYAMLError) -> str:
-    mark = exc.problem_mark or exc.context_mark
-    where = f"--config {path}, line {mark.line + 1}, column {mark.column + 1}" if mark else f"--config {path}"
-    problem = exc.problem or exc.context or "not valid YAML"
-    if exc.problem and exc.context and exc.context_mark and exc.context_mark.line != mark.line:
-        problem += f" ({exc.context} that starts on line {exc.context_mark.line + 1}: close it there)"
-    lines = path.read_text(encoding="utf-8").splitlines()
-    line = lines[mark.line] if mark and mark.line < len(lines) else ""
-    hint = "; YAML indents with spaces, never tabs: replace the tab with spaces" if "\t" in line else ""
-    return f"{where}: {problem}{hint}"
-
-
-def parse_flags(argv: list[str]) -> dict[str, Any]:
-    """vime-style flags → flat values. Booleans are bare switches (`--use-kl-loss`); lists take several values."""
-    values: dict[str, Any] = {}
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if not token.startswith("--"):
-            raise ConfigError(f"unexpected argument {token!r}: flags look like --rollout-batch-size 16")
-        name, _, inline = token[2:].partition("=")
-        kind = _flag_kind(name)
-        if kind is None:
-            raise ConfigError(_unknown_message([token.split("=")[0]]))
-        i += 1
-        if kind is bool and not inline:
-            # A bare switch is true; a switch that also takes auto reads a following word (`--x false`).
-            takes_word = _takes_auto(name) and i < len(argv) and argv[i].lower() in _TRUE + _FALSE + ("auto",)
-            values[name] = argv[i] if takes_word else True
-            i += int(takes_word)
-            continue
-        args = [inline] if inline else []
-        while not args or (kind is list and i < len(argv) and not argv[i].startswith("--")):
-            if i >= len(argv) or argv[i].startswith("--"):
-                if args:
-                    break
-                raise ConfigError(f"--{name} needs a value")
-            args.append(argv[i])
-            i += 1
-        values[name] = args if kind is list else _coerce_scalar(args[0])
-    return values
-
-
-def _flag_kind(name: str) -> type | None:
-    if name in MEGATRON_FLAGS:
-        return MEGATRON_FLAGS[name]
-    key = name.replace("-", "_")
-    section = _FIELD_SECTION.get(key)
-    if section is None:
-        return None
-    annotation = SECTIONS[section].model_fields[key].annotation
-    if annotation is bool or _takes_auto(name):
-        return bool
-    if "list[" in str(annotation):  # list[str] | None
-        return list
-    return str
-
-
-def _takes_auto(name: str) -> bool:
-    """A switch that may also be "auto" (the device decides), e.g. --vllm-enforce-eager."""
-    key = name.replace("-", "_")
-    section = _FIELD_SECTION.get(key)
-    return section is not None and SECTIONS[section].model_fields[key].annotation == bool | Literal["auto"]
-
-
-def _coerce_scalar(text: str) -> Any:
-    # pydantic converts "16" → 16 for int fields; "none" spelled out means unset.
-    return None if text.lower() == "none" else text
-
-
-def build_config(argv: list[str] | None = None, yaml_path: str | Path | None = None, **defaults: Any) -> EngineConfig:
-    """defaults < YAML file < command-line flags."""
-    values: dict[str, Any] = dict(defaults)
-    if yaml_path is not None:
-        values.update(load_yaml(yaml_path))
-    values.update(parse_flags(argv or []))
-    return from_flat(values)

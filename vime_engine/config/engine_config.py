@@ -1,0 +1,145 @@
+"""EngineConfig: the sections in one validated object, the values derived from them, and the fields a resumed
+checkpoint must match (the math fields) versus those it may change."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vime_engine.config.errors import flag_name
+from vime_engine.config.sections import (
+    SECTIONS, AlgorithmConfig, CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, PlacementConfig,
+    RewardConfig, RolloutConfig, TrainConfig,
+)
+
+# Fields that do not change the trained weights: they may differ between a checkpoint and the run resuming it.
+# Paths are among them: a resumed chunk may see the same model and data under other paths (another machine, a
+# ModelArts container); content identity is the orchestrator's job (staged manifests in the chunk cache key),
+# and the checkpoint itself refuses a dataset of another size or weights of another shape.
+NON_MATH_FIELDS = {
+    "hf_checkpoint", "ref_load", "prompt_data", "custom_rm_path", "rm_url", "dynamic_sampling_filter_path",
+    "custom_generate_function_path",
+    "buffer_filter_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
+    "custom_reward_post_process_path", "custom_advantage_function_path", "rollout_function_path",
+    "eval_function_path",
+    "num_rollout", "start_rollout_id", "save", "save_interval", "load", "keep_last", "save_hf",
+    *LoggingConfig.model_fields, "ray_address", "balance_data",
+    "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
+    "eval_temperature", "eval_top_p", "eval_input_key", "eval_label_key", "eval_rm_type",
+    "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "rollout_num_gpus", "rollout_num_gpus_per_engine",
+    "actor_num_nodes", "actor_num_gpus_per_node", "weight_sync", "weight_sync_bucket_mb",
+    "use_fault_tolerance", "rollout_health_check_interval", "rollout_health_check_timeout",
+    "rollout_health_check_first_wait", "rollout_max_engine_restarts",
+    "vllm_enforce_eager", "vllm_enable_prefix_caching", "vllm_enable_chunked_prefill", "vllm_max_num_batched_tokens",
+}
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    train: TrainConfig = TrainConfig()
+    placement: PlacementConfig = PlacementConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+    megatron: dict[str, Any] = Field(default_factory=dict, description="Megatron-Core flags, passed through")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> EngineConfig:
+        # Imported here: the checks read the config package's types and errors, so it must be loaded first.
+        from vime_engine.config_checks import check_combinations
+
+        check_combinations(self)
+        return self
+
+    # -- derived values -------------------------------------------------------------------------------------
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def global_batch_size(self) -> int:
+        if self.train.global_batch_size is not None:
+            return self.train.global_batch_size
+        return self.samples_per_rollout // (self.train.num_steps_per_rollout or 1)
+
+    @property
+    def trainer_world_size(self) -> int:
+        """Trainer ranks: `--actor-num-nodes × --actor-num-gpus-per-node`."""
+        return self.placement.actor_num_nodes * self.placement.actor_num_gpus_per_node
+
+    @property
+    def rollout_engines(self) -> int:
+        """vLLM engines of the rollout group: `--rollout-num-gpus / --rollout-num-gpus-per-engine` (one without
+        `--rollout-num-gpus`)."""
+        r = self.rollout
+        return 1 if r.rollout_num_gpus is None else r.rollout_num_gpus // r.rollout_num_gpus_per_engine
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Tensor × pipeline × context parallel size (1 for the torch backend)."""
+        m = self.megatron
+        return (m.get("tensor-model-parallel-size") or 1) * (m.get("pipeline-model-parallel-size") or 1) * (
+            m.get("context-parallel-size") or 1)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.trainer_world_size // self.model_parallel_size
+
+    @property
+    def eps_clip_high(self) -> float:
+        return self.algorithm.eps_clip if self.algorithm.eps_clip_high is None else self.algorithm.eps_clip_high
+
+    @property
+    def eval_datasets(self) -> list[tuple[str, str]]:
+        items = self.eval.eval_prompt_data or []
+        return list(zip(items[0::2], items[1::2]))
+
+    def flat(self) -> dict[str, Any]:
+        """All fields by their flat (flag) names."""
+        out: dict[str, Any] = {}
+        for section in SECTIONS:
+            out.update(getattr(self, section).model_dump())
+        out.update({f"megatron.{k}": v for k, v in self.megatron.items()})
+        return out
+
+    def _non_math_fields(self) -> set[str]:
+        # The run length sets the LR schedule's length unless the LR is constant or the decay length is given.
+        if self.train.lr_decay_style != "constant" and self.train.lr_decay_iters is None:
+            return NON_MATH_FIELDS - {"num_rollout"}
+        return NON_MATH_FIELDS
+
+    def math_fields(self) -> dict[str, Any]:
+        """The fields that change the trained weights; a checkpoint resumes only under equal values."""
+        skip = self._non_math_fields()
+        return {k: v for k, v in self.flat().items() if k not in skip}
+
+    def math_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.math_fields(), sort_keys=True, default=str).encode()).hexdigest()
+
+    def math_diff(self, saved_math_fields: dict[str, Any]) -> list[str]:
+        """`--flag: saved -> now` for every math field that differs from a checkpoint's `math_fields()`."""
+        mine = json.loads(json.dumps(self.math_fields(), default=str))
+        keys = set(mine) | set(saved_math_fields)
+        return sorted(
+            f"{flag_name(k)}: {saved_math_fields.get(k)!r} -> {mine.get(k)!r}"
+            for k in keys
+            if mine.get(k) != saved_math_fields.get(k)
+        )
+
+    def with_overrides(self, **flat_values: Any) -> EngineConfig:
+        """A copy with some flat fields replaced (validated)."""
+        # Imported here: from_flat builds an EngineConfig, so its module loads this one first.
+        from vime_engine.config.flat_values import from_flat
+
+        values = self.flat()
+        values.update(flat_values)
+        return from_flat(values)

@@ -1,0 +1,48 @@
+"""Megatron-Core's flags: accepted so vime scripts carry over, handed to the Megatron backend untouched (in
+EngineConfig.megatron), each value as the type Megatron declares for it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vime_engine.config.errors import ConfigError
+from vime_engine.config.switches import switch_value
+
+MEGATRON_FLAGS: dict[str, type] = {
+    "tensor-model-parallel-size": int,
+    "pipeline-model-parallel-size": int,
+    "context-parallel-size": int,
+    "expert-model-parallel-size": int,
+    "expert-tensor-parallel-size": int,
+    "sequence-parallel": bool,
+    "recompute-granularity": str,
+    "recompute-method": str,
+    "recompute-num-layers": int,
+    "attention-dropout": float,
+    "hidden-dropout": float,
+    "accumulate-allreduce-grads-in-fp32": bool,
+    "attention-softmax-in-fp32": bool,
+    "attention-backend": str,
+}
+PARALLEL_FLAGS = [f for f in MEGATRON_FLAGS if f.endswith("parallel-size")]
+
+
+def typed_megatron_value(name: str, value: Any) -> Any:
+    """A Megatron pass-through flag's value as its declared type (flags arrive as text: `--sequence-parallel=false`
+    must be False, `--recompute-num-layers 4` the int 4)."""
+    kind = MEGATRON_FLAGS.get(name)
+    if kind is None or value is None:
+        return value
+    if kind is bool:
+        switch = switch_value(value)
+        if switch is None:
+            raise ConfigError(f"--{name} {value!r}: expected true or false")
+        return switch
+    if kind is str:
+        return str(value)
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value) if kind is float else int(str(value))
+    except ValueError:
+        raise ConfigError(f"--{name} {value!r}: expected {'an integer' if kind is int else 'a number'}") from None
