@@ -196,33 +196,10 @@ def test_sigterm_finishes_the_step_checkpoints_exits_75_and_resumes_bit_identica
 
 
 # 2 groups kept of 6 generated, responses ending at different steps (see test_engine_loop.py): the groups still
-# generating are cut off and continued in the next rollout, across the checkpoint in between.
+# generating are cut off and continued in the next rollout, across the checkpoint in between (the multi-turn test
+# below kills a run there).
 PARTIAL = {"partial-rollout": True, "rollout-batch-size": 2, "over-sampling-batch-size": 6, "global-batch-size": 4,
            "rollout-max-response-len": 32, "vllm-max-model-len": 88}
-
-
-def test_partial_rollout_buffer_is_checkpointed_and_a_kill_resumes_bit_identical(tmp_path_factory, base_config):
-    reference_dir = tmp_path_factory.mktemp("partial-reference")
-    assert _run(_write_config(reference_dir, base_config, **PARTIAL)) == 0
-    ref_weights, ref_history = _final(reference_dir)
-    assert sum(h["rollout/aborted_groups"] for h in ref_history) > 0
-    assert sum(h["rollout/resumed_groups"] for h in ref_history) > 0
-
-    run_dir = tmp_path_factory.mktemp("partial-killed")
-    config = _write_config(run_dir, base_config, **PARTIAL)
-    # Killed as rollout 1 starts the round that continues what rollout 0 cut off (the 2nd submit).
-    _run(config, fault="vime_engine.rollout.vllm_engine:VLLMEngine.submit:2")
-    latest = find_latest(run_dir / "ckpt")
-    assert latest.rollout_id == 0
-    carry = pickle.loads((latest.path / BUFFER_FILE).read_bytes())
-    cut = [s for group in carry.partial for s in group if not s.finished]
-    assert len(carry.partial) == ref_history[0]["rollout/aborted_groups"] == ref_history[1]["rollout/resumed_groups"]
-    assert cut and all(len(s.rollout_log_probs) == s.response_length < 32 for s in cut)
-    assert _run(config) == 0
-
-    weights, history = _final(run_dir)
-    assert weights == ref_weights
-    assert history == ref_history
 
 
 def test_two_data_parallel_ranks_resume_bit_identical_and_their_checkpoint_loads_on_one(tmp_path_factory, base_config):
@@ -256,8 +233,8 @@ def test_two_data_parallel_ranks_resume_bit_identical_and_their_checkpoint_loads
 
 
 # Multi-turn conversations (tests/support/two_turn_agent.py: two model turns around an environment reply) under
-# partial rollout: rollout 0 cuts conversations off, some after their tool reply, and the checkpoint's buffer holds
-# them; the run is killed as rollout 1 starts continuing them.
+# partial rollout: rollout 0 cuts conversations off, some mid-turn and some after their tool reply, and the
+# checkpoint's buffer holds them; the run is killed as rollout 1 starts continuing them.
 MULTI_TURN = {**PARTIAL, "vllm-max-model-len": 176, "rollout-max-turns": 2,
               "custom-generate-function-path": str(REPO / "tests/support/two_turn_agent.py") + ":generate"}
 
@@ -275,6 +252,7 @@ def test_multi_turn_conversations_cut_off_and_killed_resume_bit_identical(tmp_pa
     latest = find_latest(run_dir / "ckpt")
     assert latest.rollout_id == 0
     carry = pickle.loads((latest.path / BUFFER_FILE).read_bytes())
+    assert len(carry.partial) == ref_history[0]["rollout/aborted_groups"] == ref_history[1]["rollout/resumed_groups"]
     cut = [s for group in carry.partial for s in group if not s.finished]
     assert any(0 in s.loss_mask and s.loss_mask[0] == 1 for s in cut), "no conversation was cut after a tool reply"
     assert all(len(s.rollout_log_probs) == len(s.loss_mask) == s.response_length for s in cut)
