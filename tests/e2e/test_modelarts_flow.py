@@ -2,7 +2,7 @@
 server (tests/support/modelarts_server.py, reached through the real huaweicloudsdkmodelarts client), which runs
 the job's command (`vimeflow modelarts-entrypoint`) as local processes with ModelArts' environment; obs://
 is the moto server through the real OBS SDK. The server kills the first job after it committed rollout 0
-(Abnormal); a new job resumes from OBS, and the final checkpoint equals a local run's bit for bit."""
+(Abnormal); a new job resumes from OBS, and the final checkpoint equals the local pipeline run's bit for bit."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.modelarts_entrypoint import ChunkSpec, ClusterEnv, parse_cluster_env
-from tests.e2e.conftest import REPO, tiny_parameters
+from tasks.modelarts_entrypoint import ClusterEnv, parse_cluster_env
+from tests.e2e.conftest import REPO, DeployedRun, tiny_parameters
 from tests.support.modelarts_server import ModelArtsServer
 from tests.support.prefect_server import PrefectAPI, task_runs_of, wait_for_flow_run
 from tests.support.s3_fixtures import TEST_ACCESS_KEY, TEST_SECRET_KEY, moto_endpoint  # noqa: F401
@@ -94,11 +94,8 @@ def _obs(moto: str, bucket: str):
 
 
 def test_lost_job_is_resumed_by_a_new_job_and_ends_equal_to_a_local_run(
-        prefect_api: PrefectAPI, deployed: str, modelarts: ModelArtsServer, moto_endpoint, bucket,  # noqa: F811
-        ray_tmp, tmp_path, monkeypatch):
-    from tasks.engine_process import run_engine_job
-    from tasks.run_layout import RunLayout, localize
-
+        prefect_api: PrefectAPI, deployed: str, deployed_run: DeployedRun, modelarts: ModelArtsServer,
+        moto_endpoint, bucket, ray_tmp, tmp_path):  # noqa: F811 (moto_endpoint: the fixture)
     modelarts.crash_on_log("committed rollout_0000000", times=1)
     t0 = time.monotonic()
     flow_run_id, params = _submit(prefect_api, modelarts, moto_endpoint, bucket, "ma-lost", tmp_path / "disk",
@@ -141,16 +138,8 @@ def test_lost_job_is_resumed_by_a_new_job_and_ends_equal_to_a_local_run(
     assert "sk-" not in json.dumps(lineage["parameters"]) and TEST_SECRET_KEY not in json.dumps(lineage)
     final = root.get_bytes("runs/ma-lost/checkpoints/rollout_0000003/model.safetensors")
 
-    # The local run: the same engine job (from the chunk spec the flow wrote), rollouts 0-3 on local Ray.
-    spec = ChunkSpec.from_json(root.get_bytes("runs/ma-lost/modelarts/chunk-0000000.json").decode())
-    layout = RunLayout(spec.storage_root, "local", str(tmp_path / "local"))
-    for name, value in {**OBS_ENV, "OBS_ENDPOINT": moto_endpoint, "VIMEFLOW_RAY_TMP": ray_tmp}.items():
-        monkeypatch.setenv(name, value)
-    flags = localize(spec.job, layout)
-    t1 = time.monotonic()
-    local = run_engine_job({"mode": "train", "flags": flags, "start": 0, "count": 4}, tmp_path / "local" / "job")
-    print(f"local reference run took {time.monotonic() - t1:.1f} s")
-    reference = Path(local.value["checkpoint_path"]) / "model.safetensors"
+    # The same parameters run by the local pipeline (local storage, local Ray, never interrupted).
+    [reference] = list(deployed_run.storage_root.glob("runs/*/checkpoints/rollout_0000003/model.safetensors"))
     assert _sha256(final) == _sha256(reference.read_bytes())
 
 
