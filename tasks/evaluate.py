@@ -21,6 +21,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
+from tasks.checkpoint_history import fetch_history, open_checkpoint
 from tasks.engine_process import is_infrastructure_failure, run_engine_job
 from tasks.run_layout import EngineJob, RunLayout, localize
 from tasks.storage import join_key, open_storage
@@ -81,7 +82,9 @@ def evaluate(job: EngineJob, layout: RunLayout, checkpoint: ChunkOutcome) -> Eva
     metrics = final_eval_metrics(job, checkpoint)
     work = Path(layout.work_dir) / "evaluation" / f"rollout_{rollout_id:07d}"
     load_root = work / "checkpoint"
-    open_storage(checkpoint.checkpoint_uri).fetch_tree("", ckpt.checkpoint_dir(load_root, rollout_id))
+    storage, key = open_checkpoint(checkpoint.checkpoint_uri)
+    storage.fetch_tree(key, ckpt.checkpoint_dir(load_root, rollout_id))
+    fetch_history(storage, key, load_root)
     (load_root / ckpt.LATEST).write_text(ckpt.checkpoint_dir(load_root, rollout_id).name)
     out = work / "output"
     flags = localize(job, layout)

@@ -36,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tasks.checkpoint_history import fetch_history, upload_history
 from tasks.chunk_runner import EXIT_CODE_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, RESULT_FILE, run_job
 from tasks.run_layout import DatasetRef, EngineJob, RunLayout, localize
 from tasks.storage import Storage, dir_prefix, join_key, open_storage
@@ -196,6 +197,7 @@ def restore_latest(root: Storage, run_prefix: str, save_dir: Path, upto: int) ->
         return None
     target = ckpt.checkpoint_dir(save_dir, ids[-1])
     manifest = root.fetch_tree(checkpoint_key(run_prefix, ids[-1]), target)
+    fetch_history(root, checkpoint_key(run_prefix, ids[-1]), save_dir)
     (save_dir / ckpt.LATEST).write_text(target.name)
     return ids[-1], manifest.hash
 
@@ -241,6 +243,7 @@ class CheckpointCommitter:
 
     def _commit(self, found: ckpt.CheckpointRef) -> None:
         key = checkpoint_key(self.run_prefix, found.rollout_id)
+        upload_history(self.root, key, found)
         manifest = self.root.commit_tree(found.path, key, meta={
             "rollout_id": found.rollout_id, "engine_manifest_sha256": found.manifest_hash})
         self.committed[found.rollout_id] = manifest.hash

@@ -20,6 +20,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
+from tasks.checkpoint_history import read_history
 from tasks.evaluate import EvalOutcome
 from tasks.report_plots import eval_keys, series, write_plots
 from tasks.retry_policy import retry_on
@@ -207,7 +208,7 @@ def publish(job: EngineJob, layout: RunLayout, publish_prefix: str, chunks: list
     out = Path(layout.work_dir) / "publish"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    history = json.loads(open_storage(chunks[-1].checkpoint_uri).get_bytes("driver.json"))["history"]
+    history = read_history(chunks[-1].checkpoint_uri)
     (out / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in history))
     open_storage(evaluation.output_uri).fetch_tree("", out / "evaluation")
     for sub in ("hf", "eval"):

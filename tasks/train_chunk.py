@@ -17,6 +17,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from tasks.checkpoint_history import fetch_history, open_checkpoint, upload_history
 from tasks.engine_process import is_infrastructure_failure, run_engine_job
 from tasks.run_layout import EngineJob, RunLayout, localize
 from tasks.storage import join_key, open_storage
@@ -76,7 +77,9 @@ def _ensure_input_checkpoint(save_dir: Path, previous: ChunkOutcome | None) -> N
     if found is not None and found.rollout_id >= previous.last_rollout:
         return
     target = ckpt.checkpoint_dir(save_dir, previous.last_rollout)
-    open_storage(previous.checkpoint_uri).fetch_tree("", target)
+    storage, key = open_checkpoint(previous.checkpoint_uri)
+    storage.fetch_tree(key, target)
+    fetch_history(storage, key, save_dir)
     (save_dir / ckpt.LATEST).write_text(target.name)
 
 
@@ -113,6 +116,7 @@ def train_chunk(job: EngineJob, layout: RunLayout, start: int, count: int,
     last = int(value["last_rollout"])
     key = join_key(layout.run_prefix, "checkpoints", ckpt.checkpoint_dir(Path("."), last).name)
     root = open_storage(layout.storage_root)
+    upload_history(root, key, ckpt.validate(Path(value["checkpoint_path"]), content=False))
     manifest = root.commit_tree(Path(value["checkpoint_path"]), key,
                                 meta={"rollout_id": last, "engine_manifest_sha256": value["manifest_sha256"]})
     return ChunkOutcome(

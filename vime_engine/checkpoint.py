@@ -4,10 +4,13 @@ Layout under the checkpoint root:
 
     rollout_0000007/
         model.safetensors, trainer.*      written by the training backend (weights; optimizer, scheduler, RNG)
-        driver.json                       data cursor, weight version, metrics history, config and its hash
+        driver.json                       data cursor, weight version, config and its hash, and the mark of
+                                          the metrics history: its first N lines (bytes, sha256) in history.jsonl
         buffer.pkl                        samples carried over to the next rollout (dynamic sampling)
         manifest.json                     written last: every file's size, sha256 and xxh3-128
     LATEST                                "rollout_0000007", replaced atomically after the manifest is on disk
+    history.jsonl                         the run's metrics history, append-only, fsynced before each manifest;
+                                          each checkpoint reads only its own prefix (vime_engine/run_history.py)
 
 A directory without a valid manifest is not a checkpoint. `find_latest` walks back from LATEST (or the newest
 directory) to the newest checkpoint whose files match their manifest and says which it skipped and why.

@@ -7,6 +7,7 @@ from typing import Any
 
 from vime_engine import checkpoint as ckpt
 from vime_engine.config import ConfigError, EngineConfig
+from vime_engine.run_history import HISTORY_FILE, saved_records
 from vime_engine.runtime.driver import train
 
 
@@ -48,7 +49,9 @@ def run_chunk(config: EngineConfig, start_rollout_id: int, num_rollouts: int) ->
     # Also for a chunk finished earlier: its own end checkpoint, even if later chunks have run since.
     found = ckpt.validate(ckpt.checkpoint_dir(config.checkpoint.save, end - 1))
     state = found.driver_state()
-    last = next((h for h in reversed(state["history"]) if h["rollout_id"] == end - 1), {})
+    history_file = found.path.parent / HISTORY_FILE
+    history = saved_records(state, history_file.read_bytes, str(history_file))
+    last = next((h for h in reversed(history) if h["rollout_id"] == end - 1), {})
     return ChunkResult(
         checkpoint_path=str(found.path), first_rollout=start_rollout_id, last_rollout=end - 1,
         manifest_sha256=found.manifest_hash, config_hash=state["config_hash"], metrics=last,

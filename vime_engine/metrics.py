@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -74,16 +75,18 @@ class MetricsSink:
         for tracker in self.trackers:
             tracker.log(rollout_id, numbers)
 
-    def rewrite(self, history: list[dict[str, Any]]) -> None:
+    def rewrite(self, history: Iterable[dict[str, Any]]) -> None:
         """Make metrics.jsonl hold exactly `history` (a resumed run drops what came after its checkpoint), and
-        send the trackers what they lack of it (see vime_engine/tracking: they keep what they hold)."""
+        send the trackers what they lack of it (see vime_engine/tracking: they keep what they hold). One pass:
+        `history` may be read from a file as it goes."""
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(record, sort_keys=True) + "\n" for record in history))
+        with tmp.open("w") as f:
+            for record in history:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+                metrics = _numbers({k: v for k, v in record.items() if k != "rollout_id"})
+                for tracker in self.trackers:
+                    tracker.log(record["rollout_id"], metrics)
         tmp.replace(self.path)
-        for record in history:
-            metrics = _numbers({k: v for k, v in record.items() if k != "rollout_id"})
-            for tracker in self.trackers:
-                tracker.log(record["rollout_id"], metrics)
 
     def close(self) -> None:
         if self.tensorboard is not None:

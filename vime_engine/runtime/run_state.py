@@ -19,6 +19,7 @@ from vime_engine.metrics import MetricsSink
 from vime_engine.rollout.dynamic_sampling import CarryOver, FinishedRound, GroupFilter, RoundStream
 from vime_engine.rollout.vllm_engine import SamplingSettings
 from vime_engine.rollout.worker import GenerationPlan, train_plan
+from vime_engine.run_history import HISTORY_FILE, MARK_KEY, HistoryError, HistoryMark, RunHistory, read_checked
 from vime_engine.runtime.workers import Workers
 from vime_engine.sample import Sample
 from vime_engine.vime_hooks import load_rollout_hooks
@@ -35,7 +36,7 @@ class RunState:
     weight_version: int = 0
     groups_drawn: int = 0  # numbers prompt groups across the run; their sampling seeds derive from it
     carry: CarryOver = field(default_factory=CarryOver)
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: RunHistory = field(default_factory=RunHistory)  # in memory: the records since the last save
 
 
 class RunContext:
@@ -54,11 +55,11 @@ class RunContext:
         data = DataSource(load_prompts(cfg, d.prompt_data, d.input_key, d.label_key, d.metadata_key),
                           shuffle=d.rollout_shuffle, seed=d.rollout_seed)
         sink = MetricsSink(cfg)
-        state = RunState()
+        state, saved_history = RunState(), b""
         # The sha256 of each file is checked as it is loaded; a corrupt newest checkpoint falls back to the next.
         for found in ckpt.candidates(cfg.checkpoint.load or cfg.checkpoint.save):
             try:
-                state = _restore(cfg, found, workers, data)
+                state, saved_history = _restore(cfg, found, workers, data)
             except ckpt.CheckpointError as exc:
                 log.warning("skipping checkpoint %s: %s", found.path.name, exc)
                 continue
@@ -66,7 +67,9 @@ class RunContext:
             break
         if cfg.checkpoint.start_rollout_id is not None:
             state.next_rollout_id = cfg.checkpoint.start_rollout_id
-        sink.rewrite(state.history)  # drop lines logged after the checkpoint by an interrupted run
+        # Both drop what an interrupted run logged after the checkpoint.
+        state.history = RunHistory.start(cfg.checkpoint.save, saved_history)
+        sink.rewrite(state.history)
         return cls(cfg, workers, data, sink, state)
 
     # -- generation ---------------------------------------------------------------------------------------------
@@ -130,7 +133,7 @@ class RunContext:
             "weight_version": self.state.weight_version,
             "groups_drawn": groups_drawn,
             "data_cursor": cursor,
-            "history": self.state.history,
+            MARK_KEY: self.state.history.persist().to_json(),  # before the manifest: the save points at them
             "config": self.cfg.flat(),
             "math_fields": self.cfg.math_fields(),
             "config_hash": self.cfg.math_hash(),
@@ -143,7 +146,9 @@ class RunContext:
         self.sink.close()
 
 
-def _restore(cfg: EngineConfig, found: ckpt.CheckpointRef, workers: Workers, data: DataSource) -> RunState:
+def _restore(cfg: EngineConfig, found: ckpt.CheckpointRef, workers: Workers,
+             data: DataSource) -> tuple[RunState, list[dict[str, Any]] | bytes]:
+    """The run state saved in `found` and its history so far (checked file prefix, or an old checkpoint's list)."""
     saved = found.driver_state()
     diff = cfg.math_diff(saved["math_fields"])
     if diff:
@@ -152,16 +157,25 @@ def _restore(cfg: EngineConfig, found: ckpt.CheckpointRef, workers: Workers, dat
             + "\n  ".join(diff)
             + "\nuse the checkpoint's values, or start a fresh run with another --save directory"
         )
+    history = _saved_history(found, saved)
     carry = pickle.loads(found.read_verified(BUFFER_FILE))
     try:
         workers.trainer.load_state(str(found.path), found.manifest.files)
     except ChecksumMismatch as exc:  # raised in a trainer rank while loading: Ray's error wraps it as its `cause`
         raise ckpt.CheckpointError(str(getattr(exc, "cause", exc))) from None
     data.load_state_dict(saved["data_cursor"])
-    return RunState(
-        next_rollout_id=saved["rollout_id"] + 1, weight_version=saved["weight_version"],
-        groups_drawn=saved["groups_drawn"], carry=carry, history=saved["history"],
-    )
+    state = RunState(next_rollout_id=saved["rollout_id"] + 1, weight_version=saved["weight_version"],
+                     groups_drawn=saved["groups_drawn"], carry=carry)
+    return state, history
+
+
+def _saved_history(found: ckpt.CheckpointRef, saved: dict[str, Any]) -> list[dict[str, Any]] | bytes:
+    if MARK_KEY not in saved:  # written before the history file existed: driver.json holds the whole list
+        return list(saved["history"])
+    try:
+        return read_checked(found.path.parent / HISTORY_FILE, HistoryMark.from_json(saved[MARK_KEY]))
+    except HistoryError as exc:
+        raise ckpt.CheckpointError(f"{found.path}: {exc}") from None
 
 
 def _json_safe(value: Any) -> Any:
