@@ -8,7 +8,8 @@ N rollouts of the tiny built-in model (bench/step_time.py's "tiny" config, shrun
                  and actors), summed, and the resident memory of each kind of process (where a leak lives)
     fds          open file descriptors over the tree
     store        Ray object-store bytes in use and objects held
-    disk         bytes under the run directory, and under its checkpoint root alone, with the checkpoints kept
+    disk         bytes under the run directory, and in the checkpoint directories kept (the history file beside
+                 them grows with the run, as the metrics log does), with the checkpoints kept
     lp_diff      train/train_rollout_logprob_abs_diff: trainer and vLLM log-probs of the same tokens
 
 and checks the goals: memory growth from the second fifth of the run to the last under 0.5% (the first fifth
@@ -119,6 +120,10 @@ class ObjectStore:
 
 def disk_mib(root: Path) -> float:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) / MIB if root.exists() else 0.0
+
+
+def checkpoints_mib(root: Path) -> float:
+    return sum(disk_mib(p) for p in root.glob("rollout_*") if p.is_dir()) if root.exists() else 0.0
 
 
 def checkpoint_count(root: Path) -> int:
@@ -262,7 +267,7 @@ def main() -> int:
         rss, pss, fds, count, by_kind = tree_memory()
         store_mib, objects = store.usage()
         samples.append(Sample(rollout_id, time.perf_counter() - started, rss, pss, fds, count, store_mib, objects,
-                              disk_mib(run_dir), disk_mib(ckpt_root), checkpoint_count(ckpt_root),
+                              disk_mib(run_dir), checkpoints_mib(ckpt_root), checkpoint_count(ckpt_root),
                               float(metrics[LOGPROB_METRIC]), by_kind))
         if len(samples) % 10 == 1:
             s = samples[-1]
