@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -52,11 +52,14 @@ class LiveView:
     """One progress bar over the run's rollouts: the stage, the chunk, the latest rollout's numbers, the time
     spent and the time left."""
 
-    def __init__(self, console: Console, total_rollouts: int, stage: str):
+    def __init__(self, console: Console, total_rollouts: int, stage: str, clock: Callable[[], float] | None = None):
         self.progress = Progress(
             TextColumn("[bold]{task.fields[stage]}"), TextColumn("{task.fields[chunk]}"), BarColumn(),
             MofNCompleteColumn(), TextColumn("{task.fields[latest]}"), TimeElapsedColumn(), TextColumn("ETA"),
-            TimeRemainingColumn(), console=console,
+            TimeRemainingColumn(), console=console, get_time=clock,
+            # The rate over the whole run: rich's default window (30 s) holds at most one rollout of a real run,
+            # and with one sample it has no rate, so the ETA stayed blank.
+            speed_estimate_period=float("inf"),
         )
         self.task = self.progress.add_task("rollouts", total=total_rollouts, stage=stage, chunk="", latest="")
 

@@ -1,5 +1,5 @@
-"""The console's pieces: the engine output redirected to a file, the failing worker's last lines, the one-line
-summary of an engine failure, the report's plots inline for the Prefect UI."""
+"""The console's pieces: the live view's ETA, the engine output redirected to a file, the failing worker's last
+lines, the one-line summary of an engine failure, the report's plots inline for the Prefect UI."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 
-from flows.console_view import engine_warnings_on, failing_pid, log_tail, output_to_file
+from rich.console import Console
+
+from flows.console_view import LiveView, engine_warnings_on, failing_pid, log_tail, output_to_file
 from tasks.engine_process import EngineCodeFailure
 from tasks.publish import embed_plots
 
@@ -72,3 +74,16 @@ def test_the_run_summary_puts_an_evaluation_before_and_after_on_one_line():
                             "eval/aime final": 0.25, "eval/held-out final": 0.5})
     assert [line.split() for line in lines] == [["reward_first", "0.125"], ["step_time_mean", "—"],
                                                 ["eval/aime", "0", "→", "0.25"], ["eval/held-out", "final", "0.5"]]
+
+
+def test_the_live_view_gives_an_eta_when_rollouts_are_minutes_apart():
+    now = [0.0]
+    screen = Console(width=200, record=True, force_terminal=False)
+    view = LiveView(screen, total_rollouts=12, stage="train_chunk", clock=lambda: now[0])
+    for rollout_id in range(4):  # one rollout every 90 s: far apart, as on a CPU
+        now[0] += 90.0
+        view.rollout(rollout_id, {"rollout/raw_reward": 0.5}, chunk="chunk 1/3")
+    task = view.progress.tasks[0]
+    assert task.time_remaining == 8 * 90.0  # 8 rollouts left at one a 90 s
+    screen.print(view.progress)
+    assert "0:12:00" in screen.export_text()
