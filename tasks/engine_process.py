@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tasks.chunk_runner import EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, LOST, RESULT_FILE
 from tasks.retry_policy import retry_on
@@ -112,6 +112,18 @@ def streams_engine_output() -> bool:
     return os.environ.get(STREAM_ENGINE_OUTPUT) == "1"
 
 
+def run_chunk_runner(job_path: Path, output: IO[str] | None = None) -> int:
+    """`tasks.chunk_runner` on `job_path` in a child process (its output to `output`, None: ours); its exit code.
+
+    A child, because Ray ends its driver process from below Python when the local raylet or object store dies:
+    the caller lives on to read the child's result.json and call that a lost engine, not a code error.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "tasks.chunk_runner", str(job_path)], env=env,
+                          preexec_fn=_die_with_parent, check=False, stdout=output, stderr=output).returncode
+
+
 def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None = None,
                    on_record: RolloutCallback | None = None, log_file: Path | None = None) -> EngineRun:
     """Write the job, run the child, classify its exit. `on_record` sees each new metrics record; the child's
@@ -122,8 +134,6 @@ def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None
     job_path = job_dir / "job.json"
     job_path.write_text(json.dumps(job, indent=1, default=str))
     (job_dir / RESULT_FILE).unlink(missing_ok=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     stop = threading.Event()
     watcher = None
     if metrics_file is not None and on_record is not None:
@@ -139,8 +149,7 @@ def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None
                 output = files.enter_context(log_file.open("a"))
                 output.write(f"=== {job['mode']} job {job_path} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
                 output.flush()
-            proc = subprocess.run([sys.executable, "-m", "tasks.chunk_runner", str(job_path)], env=env,
-                                  preexec_fn=_die_with_parent, check=False, stdout=output, stderr=output)
+            returncode = run_chunk_runner(job_path, output)
     finally:
         stop.set()
         if watcher is not None:
@@ -148,9 +157,9 @@ def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None
     wall = time.perf_counter() - t0
     result_path = job_dir / RESULT_FILE
     result = json.loads(result_path.read_text()) if result_path.is_file() else None
-    if proc.returncode == EXIT_OK and result is not None and "value" in result:
+    if returncode == EXIT_OK and result is not None and "value" in result:
         return EngineRun(result["value"], float(result["engine_seconds"]), wall)
-    failure = failure_for_exit(proc.returncode, result)
+    failure = failure_for_exit(returncode, result)
     if log_file is not None:
         failure.log_file = log_file
         failure.args = (f"{failure}\n(engine log: {log_file})",)

@@ -6,8 +6,8 @@ the job runs that command with ModelArts' environment (`VC_TASK_INDEX`, `VC_WORK
 
   task 0 (head)   fetch model and data (sha256-verified), replace the local checkpoint directory by the newest
                   checkpoint committed to OBS, start the Ray head when the job has several nodes, run the chunk
-                  (`tasks.chunk_runner.run_job` → `run_chunk`), commit each checkpoint to OBS as soon as the
-                  engine writes it (manifest last), write the chunk's result object, exit.
+                  (`tasks.chunk_runner` → `run_chunk`) in a child process, commit each checkpoint to OBS as
+                  soon as the engine writes it (manifest last), write the chunk's result object, exit.
   task i > 0      join the head's Ray cluster and stay until the head goes away; exit 0 when the chunk's result
                   is in OBS, else EXIT_INFRASTRUCTURE.
 
@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tasks.checkpoint_history import fetch_history, upload_history
-from tasks.chunk_runner import EXIT_CODE_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, RESULT_FILE, run_job
+from tasks.chunk_runner import EXIT_CODE_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, RESULT_FILE
+from tasks.engine_process import InfrastructureFailure, failure_for_exit, run_chunk_runner
 from tasks.run_layout import DatasetRef, EngineJob, RunLayout, localize
 from tasks.storage import Storage, dir_prefix, join_key, open_storage
 from tasks.storage_errors import StorageError, TransientStorageError
@@ -253,6 +254,15 @@ class CheckpointCommitter:
 # ---------------------------------------------------------------- the head's work
 
 
+def head_exit_code(engine_code: int, result: dict) -> int:
+    """The head's exit code for the engine child's: a lost engine (the raylet died and Ray ended it with exit 1,
+    or a signal) becomes EXIT_INFRASTRUCTURE, which the submitter retries; the rest pass through."""
+    if engine_code in (EXIT_OK, PREEMPTED_EXIT_CODE):
+        return engine_code
+    return EXIT_INFRASTRUCTURE if isinstance(failure_for_exit(engine_code, result), InfrastructureFailure) \
+        else engine_code
+
+
 def run_head(spec: ChunkSpec, cluster: ClusterEnv) -> int:
     root = open_storage(spec.storage_root)
     layout = RunLayout(spec.storage_root, spec.run_name, spec.work_dir)
@@ -273,8 +283,9 @@ def run_head(spec: ChunkSpec, cluster: ClusterEnv) -> int:
         {"mode": "train", "flags": flags, "start": spec.start, "count": spec.count}, default=str))
     try:
         with CheckpointCommitter(root, spec.run_prefix, save_dir, committed) as committer:
-            code = run_job(job_dir / "job.json")
+            code = run_chunk_runner(job_dir / "job.json")
         result = json.loads((job_dir / RESULT_FILE).read_text())
+        code = head_exit_code(code, result)
         committer.commit_pending()  # the end checkpoint, or whatever was written before the engine left
         if code == PREEMPTED_EXIT_CODE:
             say("preempted: the newest checkpoint is committed; a new job continues from it")
