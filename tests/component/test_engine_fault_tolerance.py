@@ -61,7 +61,7 @@ def _without_timings(history) -> list[dict]:
 
 
 def test_a_sigkilled_engine_is_restarted_and_the_run_ends_on_the_undisturbed_weights(
-    tmp_path, tiny_model, arithmetic_data, caplog,
+    tmp_path, tiny_model, arithmetic_data, caplog, cluster,
 ):
     caplog.set_level(logging.WARNING, logger="vime_engine.runtime.rollout_group")
     undisturbed = train(_config(tiny_model, arithmetic_data, tmp_path / "undisturbed"))

@@ -17,9 +17,6 @@ import ray
 import torch
 
 from vime_engine.config import build_config
-from vime_engine.data.synthetic import materialize_builtin_dataset
-from vime_engine.models.builtin import materialize_builtin_model
-from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.driver import train
 from vime_engine.runtime.workers import Workers
 from vime_engine.train.objective import response_log_probs
@@ -28,16 +25,8 @@ NUM_ROLLOUT = 3
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine-loop")
-    return (materialize_builtin_model("tiny-qwen3", root / "tiny"),
-            materialize_builtin_dataset("arithmetic", root / "data"), root)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with ray_cluster(num_cpus=4):
-        yield
+def inputs(tmp_path_factory, tiny_model, arithmetic_data):
+    return tiny_model, arithmetic_data, tmp_path_factory.mktemp("engine-loop")
 
 
 def _run(inputs, name: str, **flags):

@@ -10,26 +10,21 @@ from __future__ import annotations
 import statistics
 
 from vime_engine.config import build_config
-from vime_engine.data.synthetic import materialize_builtin_dataset
-from vime_engine.models.builtin import materialize_builtin_model
-from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.driver import train
 
 MIN_GAIN = 0.15
 
 
-def test_mean_reward_rises_over_ten_rollouts(tmp_path):
+def test_mean_reward_rises_over_ten_rollouts(tmp_path, tiny_model, arithmetic_data, cluster):
     cfg = build_config([], **{
-        "hf-checkpoint": str(materialize_builtin_model("tiny-qwen3", tmp_path / "tiny")),
-        "prompt-data": str(materialize_builtin_dataset("arithmetic", tmp_path / "data")),
+        "hf-checkpoint": str(tiny_model), "prompt-data": str(arithmetic_data),
         "input-key": "question", "label-key": "answer", "apply-chat-template": True, "rollout-shuffle": True,
         "num-rollout": 10, "rollout-batch-size": 8, "n-samples-per-prompt": 8, "rollout-max-response-len": 16,
         "rollout-temperature": 1.0, "global-batch-size": 16, "lr": 3e-3, "colocate": True,
         "vllm-kv-cache-gb": 0.25, "custom-rm-path": "tests/support/tiny_task.py:digit_share",
         "output-dir": str(tmp_path / "run"),
     })
-    with ray_cluster(num_cpus=4):
-        result = train(cfg)
+    result = train(cfg)
     rewards = [row["rollout/raw_reward"] for row in result.history]
     first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
     print(f"mean reward per rollout: {[round(r, 3) for r in rewards]}; first 3 {first:.3f}, last 3 {last:.3f}")

@@ -9,14 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from vime_engine.config import build_config
-from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.driver import train
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_multi_turn_samples_pack_train_and_agree_with_the_rollout_on_the_models_tokens(
-        tiny_model, arithmetic_data, tmp_path):
+        tiny_model, arithmetic_data, tmp_path, cluster):
     cfg = build_config([], **{
         "hf-checkpoint": str(tiny_model), "prompt-data": str(arithmetic_data), "input-key": "question",
         "label-key": "answer", "apply-chat-template": True, "rollout-shuffle": True, "num-rollout": 2,
@@ -27,8 +26,7 @@ def test_multi_turn_samples_pack_train_and_agree_with_the_rollout_on_the_models_
         "custom-generate-function-path": str(REPO / "tests/support/two_turn_agent.py") + ":generate",
         "rollout-max-turns": 2, "output-dir": str(tmp_path / "out"),
     })
-    with ray_cluster(num_cpus=2):
-        result = train(cfg)
+    result = train(cfg)
     assert result.rollouts_done == [0, 1]
     for row in result.history:
         assert row["rollout/model_turns/mean"] == 2

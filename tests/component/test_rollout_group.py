@@ -14,18 +14,11 @@ import torch
 from vime_engine.config import build_config
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import train_plan
-from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.devices import CPU
 from vime_engine.runtime.workers import Workers
 
 RECORDS = [PromptRecord([{"role": "user", "content": f"What is {a} + {b}?"}], str(a + b)) for a, b in
            [(3, 4), (12, 9), (7, 21), (5, 5), (30, 2)]]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with ray_cluster(num_cpus=4):
-        yield
 
 
 @pytest.fixture(scope="module")

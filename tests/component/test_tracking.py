@@ -18,7 +18,6 @@ from mlflow import MlflowClient
 
 from vime_engine.config import ConfigError, EngineConfig, build_config
 from vime_engine.metrics import MetricsSink
-from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.driver import train
 from vime_engine.tracking import RUN_KEY_FILE
 from vime_engine.tracking.mlflow_tracker import default_tracking_uri
@@ -147,12 +146,6 @@ def test_a_transaction_log_cut_short_reads_as_its_complete_rows(tmp_path):
         assert ids == full[:len(ids)]
         seen.add(len(ids))
     assert len(seen) > 20  # the cuts fell between many rows, not only at the ends
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with ray_cluster(num_cpus=4):
-        yield
 
 
 def test_the_engine_loop_continues_its_tracker_runs_chunk_after_chunk(tmp_path, tiny_model, arithmetic_data, cluster):

@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file
 
 from vime_engine.config import ConfigError, build_config
-from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.devices import CPU
 from vime_engine.runtime.driver import train
 from vime_engine.runtime.trainer_group import TrainerGroup
@@ -26,12 +25,6 @@ DP2 = {"actor-num-gpus-per-node": 2}
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, tiny_model, arithmetic_data):
     return tiny_model, arithmetic_data, tmp_path_factory.mktemp("trainer-group")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with ray_cluster(num_cpus=4):
-        yield
 
 
 def _config(inputs, name: str, **flags):

@@ -11,9 +11,6 @@ import os
 import pytest
 
 from vime_engine.config import build_config
-from vime_engine.data.synthetic import materialize_builtin_dataset
-from vime_engine.models.builtin import materialize_builtin_model
-from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.driver import train
 
 PLUGINS = "tests/support/vime_plugins.py"
@@ -30,19 +27,17 @@ HOOKS = {
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, tiny_model, arithmetic_data, cluster):
     root = tmp_path_factory.mktemp("vime-plugins")
     cfg = build_config([], **{
-        "hf-checkpoint": str(materialize_builtin_model("tiny-qwen3", root / "tiny")),
-        "prompt-data": str(materialize_builtin_dataset("arithmetic", root / "data")),
+        "hf-checkpoint": str(tiny_model), "prompt-data": str(arithmetic_data),
         "input-key": "question", "label-key": "answer", "apply-chat-template": True,
         "num-rollout": 2, "rollout-batch-size": 2, "n-samples-per-prompt": 2, "over-sampling-batch-size": 3,
         "partial-rollout": True, "rollout-max-response-len": 12, "global-batch-size": 4, "lr": 1e-2,
         "vllm-kv-cache-gb": 0.25, "colocate": True, "output-dir": str(root / "out"),
         **{flag: f"{PLUGINS}:{function}" for flag, function in HOOKS.items()},
     })
-    with ray_cluster(num_cpus=4):
-        result = train(cfg)
+    result = train(cfg)
     notes = [json.loads(line) for line in (root / "out" / "vime_plugins.jsonl").read_text().splitlines()]
     logged = [json.loads(line) for line in (root / "out" / "metrics.jsonl").read_text().splitlines()]
     return result, notes, logged

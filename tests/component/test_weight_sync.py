@@ -13,10 +13,7 @@ import pytest
 
 from vime_engine.config import build_config
 from vime_engine.data.records import PromptRecord
-from vime_engine.models.builtin import materialize_builtin_model
-from vime_engine.data.synthetic import materialize_builtin_dataset
 from vime_engine.rollout.worker import train_plan
-from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.devices import CPU
 from vime_engine.runtime.workers import Workers
 from vime_engine.weight_sync.buckets import TensorSpec, flatten, plan_buckets, unflatten
@@ -26,22 +23,14 @@ RECORDS = [PromptRecord([{"role": "user", "content": f"What is {a} + {b}?"}], st
 
 
 @pytest.fixture(scope="module")
-def cfg(tmp_path_factory):
+def cfg(tmp_path_factory, tiny_model, arithmetic_data):
     root = tmp_path_factory.mktemp("weight-sync")
-    model = materialize_builtin_model("tiny-qwen3", root / "tiny")
-    data = materialize_builtin_dataset("arithmetic", root / "data")
     return build_config([], **{
-        "hf-checkpoint": str(model), "prompt-data": str(data), "input-key": "question", "label-key": "answer",
-        "apply-chat-template": True, "rollout-batch-size": 4, "n-samples-per-prompt": 4,
+        "hf-checkpoint": str(tiny_model), "prompt-data": str(arithmetic_data), "input-key": "question",
+        "label-key": "answer", "apply-chat-template": True, "rollout-batch-size": 4, "n-samples-per-prompt": 4,
         "rollout-max-response-len": 12, "lr": 2e-2, "vllm-kv-cache-gb": 0.25,
         "custom-rm-path": "tests/support/tiny_task.py:digit_share", "output-dir": str(root / "run"),
     })
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with ray_cluster(num_cpus=4):
-        yield
 
 
 def _max_gap(workers: Workers, samples) -> float:
