@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from tests.support.multinode import REPO, run_checks_on_a_local_cluster
 from tests.support.prefect_server import prefect_harness  # noqa: F401  (in-process flows, one temporary server)
 from tests.support.s3_fixtures import (  # noqa: F401  (storage fixtures: moto, fault proxy, HF Hub server)
     fault_proxy, hf_endpoint, hf_hub, make_bucket, moto_endpoint, moto_with_iam, storage_env,
@@ -52,3 +53,12 @@ def _a_later_module_asks_for_it(request) -> bool:
     last = max(i for i, item in enumerate(items) if item.module is request.module)
     return any("cluster" in item.fixturenames for item in items[last + 1:])
 
+
+@pytest.fixture(scope="session")
+def multinode_checks(request) -> dict[str, str]:
+    """Test file name -> what its `multinode_check` printed, for every test file of the session that asks: one
+    process and one multi-node cluster for all of them (tests.support.multinode)."""
+    modules = {item.path: item.module for item in request.session.items if "multinode_checks" in item.fixturenames}
+    names = sorted(".".join(path.relative_to(REPO).with_suffix("").parts) for path in modules)
+    printed = run_checks_on_a_local_cluster(names, nodes=max(m.NODES for m in modules.values()), timeout=600)
+    return {name.rpartition(".")[2]: text for name, text in printed.items()}

@@ -2,39 +2,38 @@
 two engines (`--rollout-num-gpus 2`) on the other two; the broadcast weight sync crosses the nodes.
 
 As in test_trainer_group_multinode.py, Ray reads its settings when it is imported, so the cluster and the driver
-run in a fresh process with the auth token in its environment and Ray's loopback mode on.
+run in a fresh process (one for both files, tests.support.multinode) with the auth token in its environment and
+Ray's loopback mode on.
 """
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import ray
 import torch
 
-from tests.support.multinode import run_module_on_a_local_cluster
 from vime_engine.config import build_config
 from vime_engine.data.records import PromptRecord
-from vime_engine.models.builtin import materialize_builtin_model
 from vime_engine.rollout.worker import train_plan
 from vime_engine.runtime.devices import CPU
 from vime_engine.runtime.workers import Workers
 
 RECORDS = [PromptRecord([{"role": "user", "content": f"What is {a} + {b}?"}], str(a + b)) for a, b in
            [(3, 4), (12, 9), (7, 21), (5, 5)]]
+NODES = 3  # the trainer and each engine on a node of its own
 
 
-def test_engines_on_their_own_nodes_load_every_sync():
-    stdout = run_module_on_a_local_cluster("tests.component.test_rollout_group_multinode", timeout=420)
-    assert "trainer and engines on three nodes, in sync" in stdout
+def test_engines_on_their_own_nodes_load_every_sync(multinode_checks):
+    printed = multinode_checks[Path(__file__).stem]
+    assert "trainer and engines on three nodes, in sync" in printed, printed
 
 
 def _node_of(actor) -> str:
     return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
 
 
-def check_engines_on_their_own_nodes_load_every_sync(model: Path, output: Path) -> None:
+def multinode_check(model: Path, output: Path) -> None:
     cfg = build_config([], **{"hf-checkpoint": str(model), "prompt-data": "unused", "apply-chat-template": True,
                               "rollout-batch-size": 4, "n-samples-per-prompt": 4, "rollout-max-response-len": 12,
                               "lr": 2e-2, "vllm-kv-cache-gb": 0.25, "rollout-num-gpus": 2,
@@ -53,18 +52,3 @@ def check_engines_on_their_own_nodes_load_every_sync(model: Path, output: Path) 
         assert {s.weight_version for s in fresh} == {1} and gap <= 1e-5, gap
     print("trainer and engines on three nodes, in sync")
 
-
-if __name__ == "__main__":
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
-        root = Path(tempfile.mkdtemp())
-        check_engines_on_their_own_nodes_load_every_sync(materialize_builtin_model("tiny-qwen3", root / "m"), root)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()

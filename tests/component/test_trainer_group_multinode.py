@@ -1,8 +1,8 @@
-"""A trainer group across two Ray nodes: Ray's own multi-node test cluster (two raylets on 127.0.0.1, one CPU
+"""A trainer group across two Ray nodes: Ray's own multi-node test cluster (raylets on 127.0.0.1, one CPU
 "device" each), token authentication on as Ray 2.60 requires, `--actor-num-nodes 2` placing one rank per node.
 
-Ray reads its settings when it is imported, so the cluster and the driver run in a fresh process
-(`python -m tests.component.test_trainer_group_multinode`) with the token in its environment and Ray's loopback
+Ray reads its settings when it is imported, so the cluster and the driver run in a fresh process (shared with
+test_rollout_group_multinode.py, tests.support.multinode) with the token in its environment and Ray's loopback
 mode on (vime_engine.runtime.cluster): without it the driver turns 127.0.0.1 into the machine's interface
 address, where the test cluster does not listen.
 """
@@ -10,18 +10,17 @@ address, where the test cluster does not listen.
 from __future__ import annotations
 
 import random
-import tempfile
 from pathlib import Path
 
 import ray
 import torch
 
-from tests.support.multinode import run_module_on_a_local_cluster
 from vime_engine.config import build_config
-from vime_engine.models.builtin import materialize_builtin_model
 from vime_engine.runtime.devices import CPU
 from vime_engine.runtime.trainer_group import TrainerGroup
 from vime_engine.sample import Sample
+
+NODES = 2  # one rank on each
 
 
 def _samples(vocab: int) -> list[Sample]:
@@ -32,14 +31,15 @@ def _samples(vocab: int) -> list[Sample]:
             for i, response in enumerate(responses)]
 
 
-def test_one_rank_per_node_trains_in_step():
-    stdout = run_module_on_a_local_cluster("tests.component.test_trainer_group_multinode", timeout=300)
-    assert "one rank per node, in step" in stdout
+def test_one_rank_per_node_trains_in_step(multinode_checks):
+    printed = multinode_checks[Path(__file__).stem]
+    assert "one rank per node, in step" in printed, printed
 
 
-def check_one_rank_per_node_trains_in_step(model: Path) -> None:
+def multinode_check(model: Path, output: Path) -> None:
     cfg = build_config([], **{"hf-checkpoint": str(model), "prompt-data": "unused", "rollout-batch-size": 2,
-                              "n-samples-per-prompt": 4, "lr": 1e-3, "actor-num-nodes": 2})
+                              "n-samples-per-prompt": 4, "lr": 1e-3, "actor-num-nodes": 2,
+                              "output-dir": str(output)})
     group = TrainerGroup(cfg, CPU)
     try:
         placed = ray.get([rank.__ray_call__.remote(
@@ -66,16 +66,3 @@ def check_one_rank_per_node_trains_in_step(model: Path) -> None:
         group.shutdown()
     print("one rank per node, in step")
 
-
-if __name__ == "__main__":
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
-    try:
-        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
-        check_one_rank_per_node_trains_in_step(materialize_builtin_model("tiny-qwen3", Path(tempfile.mkdtemp())))
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
