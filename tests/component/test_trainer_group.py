@@ -63,10 +63,10 @@ def test_more_nodes_than_the_cluster_has_fail_naming_the_flags(inputs, cluster):
 
 # Adam normalises each gradient element, so an element near zero whose fp32 rounding differs between two
 # runs moves by a sizeable share of lr either way (seen here: 7e-5 at lr 1e-2 while every loss and the gradient
-# norm agree to 1e-7): the learning rates below keep that under the tolerance, still far above RL's usual 1e-6. With one sample per micro-batch both
-# runs compute the same per-sample shapes and only the cross-rank sum differs; with a token budget the ranks
-# pack other micro-batches than one rank does (other padding, other matmul shapes), so a smaller lr keeps the
-# rounding's effect under the tolerance.
+# norm agree to 1e-7): the learning rates below keep that under the tolerance, still far above RL's usual 1e-6.
+# With one sample per micro-batch both runs compute the same per-sample shapes and only the cross-rank sum
+# differs; with a token budget the ranks pack other micro-batches than one rank does (other padding, other matmul
+# shapes), so a smaller lr keeps the rounding's effect under the tolerance.
 @pytest.mark.parametrize("batching", [
     {"micro-batch-size": 1, "lr": 1e-3},
     {"use-dynamic-batch-size": True, "max-tokens-per-gpu": 96, "lr": 1e-4},
@@ -79,7 +79,9 @@ def test_two_data_parallel_ranks_update_like_one(inputs, cluster, batching):
     assert one.keys() == two.keys()
     moved = max((one[k] - initial[k]).abs().max().item() for k in one if k in initial)
     assert moved > 10 * 1e-5  # the two optimizer steps moved the weights: the comparison below means something
-    assert max((one[k] - two[k]).abs().max().item() for k in one) <= 1e-5, "\n".join(f"{k}: {one_history[0][k]} {two_history[0][k]}" for k in one_history[0] if k.startswith("train"))
+    train_metrics = "\n".join(f"{k}: {one_history[0][k]} {two_history[0][k]}"
+                              for k in one_history[0] if k.startswith("train"))
+    assert max((one[k] - two[k]).abs().max().item() for k in one) <= 1e-5, train_metrics
     for key in ("train/pg_loss", "train/grad_norm", "train/entropy_loss", "rollout/raw_reward"):
         assert two_history[0][key] == pytest.approx(one_history[0][key], rel=1e-4, abs=1e-6), key
     # The gathered log-probs of the two ranks' shares are exactly those vLLM sampled with.
