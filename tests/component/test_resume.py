@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vime_engine.checkpoint import find_latest
+from vime_engine.checkpoint import DRIVER_STATE, find_latest
+from vime_engine.run_history import HISTORY_FILE
 from vime_engine.runtime.run_state import BUFFER_FILE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,12 +116,18 @@ def test_kills_during_generation_optimizer_step_and_checkpoint_write_resume_bit_
     _run(config, fault="vime_engine.checkpoint:build_manifest:1")
     assert find_latest(tmp_path / "ckpt").rollout_id == 1
     assert list((tmp_path / "ckpt").glob(".rollout_0000002.partial-*")), "the interrupted save left no trace"
+    # Rollout 2's history lines went to the file before its manifest; the resume cuts them off again.
+    history_file = tmp_path / "ckpt" / HISTORY_FILE
+    assert len(history_file.read_text().splitlines()) == NUM_ROLLOUT - 1
     # Resumed at rollout 2 again, to the end.
     assert _run(config) == 0
 
     weights, history = _final(tmp_path)
     assert weights == ref_weights
     assert history == ref_history
+    assert [json.loads(line) for line in history_file.read_text().splitlines()] == [
+        json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert "history" not in json.loads((find_latest(tmp_path / "ckpt").path / DRIVER_STATE).read_text())
 
 
 def test_two_chunks_equal_one_run(tmp_path, base_config, reference):
