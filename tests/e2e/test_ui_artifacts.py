@@ -21,12 +21,16 @@ def test_the_report_shows_its_plots_and_the_eval_table_its_numbers(prefect_api: 
                                                                     tmp_path):
     artifacts = prefect_api.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [
         deployed_run.flow_run["id"]]}}}).json()
-    by_kind = {a["key"].rsplit("-", 1)[1]: a for a in artifacts if a["key"] and a["type"] in ("markdown", "table")}
-    eval_rows = json.loads(by_kind["eval"]["data"])
+    # Keys are "<run>-report", "<run>-eval", "<run>-metrics", "<run>-link-report", ...: the link artifacts are
+    # markdown too, so the kind is what follows the run's own key (taken from the only "-eval" key).
+    by_key = {a["key"]: a for a in artifacts if a["key"]}
+    [run_key] = [key.removesuffix("-eval") for key in by_key if key.endswith("-eval")]
+    report, evaluation = by_key[f"{run_key}-report"], by_key[f"{run_key}-eval"]
+    eval_rows = json.loads(evaluation["data"])
     ui = prefect_api.url.removesuffix("/api")
 
     with chromium_page(tmp_path / "profile") as page:
-        images = page.open(f"{ui}/artifacts/artifact/{by_kind['report']['id']}", IMAGES,
+        images = page.open(f"{ui}/artifacts/artifact/{report['id']}", IMAGES,
                            until=lambda v: len(v or []) == len(PLOTS) and all(done for _, done, _ in v))
         page.screenshot(tmp_path / "report.png")
         assert sorted(alt for alt, _, _ in images) == sorted(PLOTS)
@@ -34,7 +38,7 @@ def test_the_report_shows_its_plots_and_the_eval_table_its_numbers(prefect_api: 
         headings = page.evaluate("[...document.querySelectorAll('h1, h2')].map(h => h.innerText.trim())")
         assert {"Training", "Evaluation", "Plots"} <= set(headings), headings
 
-        rows = page.open(f"{ui}/artifacts/artifact/{by_kind['eval']['id']}", TABLE_ROWS,
+        rows = page.open(f"{ui}/artifacts/artifact/{evaluation['id']}", TABLE_ROWS,
                          until=lambda v: len(v or []) == len(eval_rows))
         page.screenshot(tmp_path / "eval-table.png")
     for expected in eval_rows:  # each row's cells: the set, the metric and both numbers, in the columns' order

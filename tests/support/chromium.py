@@ -54,26 +54,18 @@ class Page:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def open(self, url: str, ready: str, until: Callable[[Any], bool], timeout: float = 180,
-             reload_after: float = 60) -> Any:
-        """Navigate to `url` and poll the expression `ready` until `until(value)`; returns that value.
-
-        A page still not rendered after `reload_after` seconds is loaded once more, as a person would: once in CI
-        the report page stayed empty for 180 s while it rendered on every run here. On a timeout the message
-        carries what the tab shows and the errors the page logged.
-        """
+    def open(self, url: str, ready: str, until: Callable[[Any], bool], timeout: float = 180) -> Any:
+        """Navigate to `url` and poll the expression `ready` until `until(value)`; returns that value. A timeout
+        says what the tab shows and the errors the page logged."""
         self.call("Page.navigate", url=url)
-        start, value, reloaded = time.monotonic(), None, False
-        while time.monotonic() < start + timeout:
+        deadline, value = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
             value = self.evaluate(ready)
             if until(value):
                 return value
-            if not reloaded and time.monotonic() > start + reload_after:
-                self.call("Page.navigate", url=url)
-                reloaded = True
             time.sleep(1)
         shown = self.evaluate("[location.href, document.title, (document.body?.innerText ?? '').slice(0, 800)]")
-        raise TimeoutError(f"{url} did not render within {timeout:.0f} s (loaded twice): {ready} = {value!r}; "
+        raise TimeoutError(f"{url} did not render within {timeout:.0f} s: {ready} = {value!r}; "
                            f"the tab shows {shown!r}; the page's errors: {self.errors[-10:]!r}")
 
     def screenshot(self, path: Path) -> None:
