@@ -83,7 +83,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash leaves the old file or the new one, never a part."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -116,13 +117,13 @@ def commit(root: Path, staged: Path, rollout_id: int, driver_state: dict[str, An
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
     manifest = build_manifest(staged, meta={"rollout_id": rollout_id}, known=written)
-    _write_atomic(staged / MANIFEST_NAME, manifest.to_bytes())
+    write_atomic(staged / MANIFEST_NAME, manifest.to_bytes())
     final = checkpoint_dir(root, rollout_id)
     if final.exists():  # an invalid leftover of an earlier attempt at this rollout
         shutil.rmtree(final)
     os.replace(staged, final)
     _fsync_dir(root)
-    _write_atomic(root / LATEST, final.name.encode())
+    write_atomic(root / LATEST, final.name.encode())
     if keep_last:
         _prune(root, keep_last)
     return CheckpointRef(final, rollout_id, manifest)

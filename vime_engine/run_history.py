@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vime_engine.checkpoint import write_atomic
+
 HISTORY_FILE = "history.jsonl"
 MARK_KEY = "history_mark"  # driver.json's key of the mark; the key of the old whole-history list is "history"
 _EMPTY_SHA256 = hashlib.sha256().hexdigest()
@@ -126,12 +128,7 @@ class RunHistory:
         path = Path(root) / HISTORY_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         if not (path.is_file() and _has_prefix(path, data)):
-            tmp = path.with_name(f".{HISTORY_FILE}.tmp-{os.getpid()}")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            write_atomic(path, data)
         with open(path, "r+b") as f:  # drop what an interrupted run appended after the resumed checkpoint
             f.truncate(len(data))
             os.fsync(f.fileno())
