@@ -13,7 +13,6 @@ upload) is skipped, so committing an older checkpoint again never cuts lines a n
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +62,7 @@ def fetch_history(root: Storage, checkpoint_key: str, local_root: Path) -> None:
     path = Path(local_root) / HISTORY_FILE
     if data is None or (path.is_file() and path.read_bytes().startswith(data)):
         return
-    tmp = path.with_name(f".{HISTORY_FILE}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    ckpt.write_atomic(path, data)
 
 
 def read_history(checkpoint_uri: str) -> list[dict[str, Any]]:

@@ -88,7 +88,7 @@ class RunHistory:
     pending: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._sha = hashlib.sha256()  # of the file's first mark.bytes; set by `open`/`adopt` for a nonempty mark
+        self._sha = hashlib.sha256()  # of the file's first mark.bytes; `start` feeds it the resumed prefix
 
     def append(self, record: dict[str, Any]) -> None:
         self.pending.append(record)
