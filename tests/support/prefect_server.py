@@ -19,6 +19,10 @@ import httpx
 import pytest
 
 
+# Between tries on a 503: about half a minute in all, as Prefect's client allows by default.
+RETRY_DELAYS_S = (0.5, 1, 2, 4, 8, 15)
+
+
 @dataclass(frozen=True)
 class PrefectAPI:
     url: str  # http://127.0.0.1:PORT/api
@@ -26,10 +30,25 @@ class PrefectAPI:
     env: dict[str, str]  # the environment a worker or flow process needs to reach this server
 
     def get(self, path: str) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", timeout=30)
+        return self._send("GET", path)
 
     def post(self, path: str, json: dict | None = None) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", json=json or {}, timeout=30)
+        return self._send("POST", path, json=json or {})
+
+    def _send(self, method: str, path: str, json: dict | None = None) -> httpx.Response:
+        """One request, retried while the server answers 503, as Prefect's own client and the UI do.
+
+        The server sends 503 for errors it calls retryable: with SQLite, a write that meets another
+        process's write (SQLITE_BUSY_SNAPSHOT fails at once, whatever the busy timeout). CI met it on a
+        loaded machine while the worker and the server's services wrote too.
+        """
+        for delay in RETRY_DELAYS_S:
+            response = httpx.request(method, f"{self.url}{path}", json=json, timeout=30)
+            if response.status_code != 503:
+                return response
+            time.sleep(delay)
+        return httpx.request(method, f"{self.url}{path}", json=json, timeout=30)
+
 
 
 def free_port() -> int:
