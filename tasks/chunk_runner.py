@@ -10,6 +10,7 @@ inside a ModelArts container.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 import traceback
@@ -128,5 +129,16 @@ def run_job(job_path: Path) -> int:
     return finish(EXIT_OK, value=value)
 
 
+def show_engine_progress() -> None:
+    """The engine's own INFO lines (resumed from, placed on Ray, saved) go to stdout: the job's log, where the
+    task, the ModelArts job log or `--verbose` show them. Only the engine's: other libraries keep their levels."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    engine = logging.getLogger("vime_engine")
+    engine.setLevel(logging.INFO)
+    engine.addHandler(handler)
+
+
 if __name__ == "__main__":
+    show_engine_progress()
     sys.exit(run_job(Path(sys.argv[1])))

@@ -8,8 +8,8 @@ the job runs that command with ModelArts' environment (`VC_TASK_INDEX`, `VC_WORK
                   checkpoint committed to OBS, start the Ray head when the job has several nodes, run the chunk
                   (`tasks.chunk_runner` → `run_chunk`) in a child process, commit each checkpoint to OBS as
                   soon as the engine writes it (manifest last), write the chunk's result object, exit.
-  task i > 0      join the head's Ray cluster and stay until the head goes away; exit 0 when the chunk's result
-                  is in OBS, else EXIT_INFRASTRUCTURE.
+  task i > 0      join the head's Ray cluster and stay until the chunk's result is in OBS (exit 0) or the head
+                  goes away without it (EXIT_INFRASTRUCTURE).
 
 OBS is the only state that outlives a container: a job lost mid-way (ModelArts reports Abnormal) is replaced by a
 new job that resumes from the newest committed checkpoint, which holds everything the engine needs to continue
@@ -170,11 +170,20 @@ def join_ray_head(cluster: ClusterEnv, spec: ChunkSpec, poll_s: float = 5.0) -> 
         say(f"could not join the Ray head at {cluster.head_address}")
         return EXIT_INFRASTRUCTURE
     root = open_storage(spec.storage_root)
-    while subprocess.run(_ray("status", f"--address={cluster.head_address}"), check=False,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0:
+    while not root.exists(spec.result_key) and _head_answers(cluster):
         time.sleep(poll_s)
     subprocess.run(_ray("stop"), check=False)
     return EXIT_OK if root.exists(spec.result_key) else EXIT_INFRASTRUCTURE
+
+
+def _head_answers(cluster: ClusterEnv) -> bool:
+    """Whether the head's Ray answers `ray status`. Once the head is gone, `ray status` tries to reach it for
+    about 40 s before it fails; the node (billed while it runs) stops waiting sooner."""
+    try:
+        return subprocess.run(_ray("status", f"--address={cluster.head_address}"), check=False, timeout=15,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 # ---------------------------------------------------------------- checkpoints between the container and OBS

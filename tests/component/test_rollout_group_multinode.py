@@ -13,7 +13,7 @@ from pathlib import Path
 import ray
 import torch
 
-from vime_engine.config import build_config
+from vime_engine.config import ConfigError, build_config
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import train_plan
 from vime_engine.runtime.devices import CPU
@@ -27,6 +27,11 @@ NODES = 3  # the trainer and each engine on a node of its own
 def test_engines_on_their_own_nodes_load_every_sync(multinode_checks):
     printed = multinode_checks[Path(__file__).stem]
     assert "trainer and engines on three nodes, in sync" in printed, printed
+
+
+def test_a_run_whose_files_some_node_lacks_is_refused_naming_the_nodes(multinode_checks):
+    printed = multinode_checks[Path(__file__).stem]
+    assert "a directory missing on the nodes is refused before placement" in printed, printed
 
 
 def _node_of(actor) -> str:
@@ -51,4 +56,10 @@ def multinode_check(model: Path, output: Path) -> None:
         gap = (trainer_lp - torch.tensor([x for s in fresh for x in s.rollout_log_probs])).abs().max().item()
         assert {s.weight_version for s in fresh} == {1} and gap <= 1e-5, gap
     print("trainer and engines on three nodes, in sync")
+    unshared = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"load": "/no/such/ckpt"})})
+    try:
+        Workers(unshared, CPU)
+    except ConfigError as refused:  # asked of every node, each named
+        assert str(refused).count("lacks --load /no/such/ckpt") == NODES, refused
+        print("a directory missing on the nodes is refused before placement")
 

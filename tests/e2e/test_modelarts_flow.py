@@ -1,13 +1,18 @@
 """modelarts-training end to end: the deployment run by a worker, each chunk a job on the local ModelArts API
 server (tests/support/modelarts_server.py, reached through the real huaweicloudsdkmodelarts client), which runs
 the job's command (`vimeflow modelarts-entrypoint`) as local processes with ModelArts' environment; obs://
-is the moto server through the real OBS SDK. The server kills the first job after it committed rollout 0
-(Abnormal); a new job resumes from OBS, and the final checkpoint equals the local pipeline run's bit for bit."""
+is the moto server through the real OBS SDK. The training jobs have two nodes of one CPU each, so that the trainer
+and the engine run on different nodes of the job's Ray cluster. In the first job the driver waits as rollout 1
+begins (a test hook, after rollout 0's checkpoint) until the server has killed the second node's container; the
+head ends the job as retryable, a new job resumes from OBS, and the final checkpoint equals the local pipeline
+run's bit for bit."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import shutil
 import sys
 import tempfile
@@ -59,10 +64,12 @@ def bucket(moto_endpoint):  # noqa: F811
 
 
 ENTRYPOINT = f"{sys.executable} -m flows.cli modelarts-entrypoint"
+FAULTS = REPO / "tests" / "support" / "faults"
 
 
 def _submit(api: PrefectAPI, modelarts: ModelArtsServer, moto: str, bucket: str, run_name: str, disk: Path,
-            ray_tmp: str, entrypoint: str = ENTRYPOINT) -> tuple[str, dict]:
+            ray_tmp: str, entrypoint: str = ENTRYPOINT, node_count: int = 1,
+            job_env: dict[str, str] | None = None) -> tuple[str, dict]:
     """Trigger modelarts-training as the UI does, with the worker's job variables carrying the credentials."""
     params = tiny_parameters(f"obs://{bucket}/{run_name}")  # a root per run: no chunk comes from another's cache
     params.pop("ray_address", None)
@@ -72,16 +79,13 @@ def _submit(api: PrefectAPI, modelarts: ModelArtsServer, moto: str, bucket: str,
         "entrypoint": entrypoint, "working_dir": str(REPO),
         "work_dir": str(disk), "poll_interval_s": 0.3, "max_poll_interval_s": 1.0,
         "forward_env": ["OBS_ENDPOINT", "OBS_REGION", "OBS_PATH_STYLE", "OBS_ACCESS_KEY_ID", "OBS_SECRET_ACCESS_KEY"],
+        "node_count": node_count, "env": job_env or {},
     }
     deployment = api.get("/deployments/name/modelarts-training/modelarts-training").json()["id"]
     env = {**OBS_ENV, "OBS_ENDPOINT": moto, "HUAWEICLOUD_SDK_AK": AK, "HUAWEICLOUD_SDK_SK": SK,
            "HUAWEICLOUD_SDK_PROJECT_ID": PROJECT, "VIMEFLOW_RAY_TMP": ray_tmp}
-    for _ in range(5):  # a busy SQLite-backed server may answer 503
-        response = api.post(f"/deployments/{deployment}/create_flow_run",
-                            {"parameters": params, "job_variables": {"env": env}})
-        if response.status_code != 503:
-            break
-        time.sleep(2)
+    response = api.post(f"/deployments/{deployment}/create_flow_run",
+                        {"parameters": params, "job_variables": {"env": env}})
     assert response.status_code == 201, response.text
     return response.json()["id"], params
 
@@ -93,36 +97,49 @@ def _obs(moto: str, bucket: str):
                       region="us-east-1", path_style=True)
 
 
-def test_lost_job_is_resumed_by_a_new_job_and_ends_equal_to_a_local_run(
+def test_a_job_that_loses_a_node_is_resumed_by_a_new_job_and_ends_equal_to_a_local_run(
         prefect_api: PrefectAPI, deployed: str, deployed_run: DeployedRun, modelarts: ModelArtsServer,
         moto_endpoint, bucket, ray_tmp, tmp_path):  # noqa: F811 (moto_endpoint: the fixture)
-    modelarts.crash_on_log("committed rollout_0000000", times=1)
+    job_env = {
+        # Ray's own override of what a node offers: one CPU, one device a node, as a 1-GPU flavor would give.
+        "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": 1}),
+        # The driver, as rollout 1 begins (rollout 0 checkpointed), waits until a node of its cluster is gone.
+        "PYTHONPATH": f"{FAULTS}{os.pathsep}{REPO}", "VIMEFLOW_TEST_FAULT_VICTIM": "node",
+        "VIMEFLOW_TEST_FAULT": "vime_engine.rollout.dynamic_sampling:collect_groups:2",
+        "VIMEFLOW_TEST_FAULT_MARKER": str(tmp_path / "node-lost.marker"),
+    }
+    modelarts.lose_node_on_log("VIMEFLOW_TEST_FAULT: waiting for a node to leave", "worker-1")
     t0 = time.monotonic()
     flow_run_id, params = _submit(prefect_api, modelarts, moto_endpoint, bucket, "ma-lost", tmp_path / "disk",
-                                  ray_tmp)
+                                  ray_tmp, node_count=2, job_env=job_env)
     run = wait_for_flow_run(prefect_api, flow_run_id, timeout=420)
     print(f"modelarts-training took {time.monotonic() - t0:.1f} s")
     assert run["state"]["type"] == "COMPLETED", run["state"]
 
     jobs = sorted(modelarts.jobs.values(), key=lambda j: j.create_time)
-    for job in jobs:  # the job body the submitter sent: image, flavor, the entrypoint on the chunk spec
+    for job in jobs:  # the job body the submitter sent: image, flavor, two nodes, the entrypoint on the chunk spec
         algorithm = job.body["algorithm"]
         assert algorithm["engine"]["image_url"] == params["modelarts"]["image"]
-        assert job.body["spec"]["resource"]["flavor_id"] == "modelarts.vm.cpu.8u"
+        resource = job.body["spec"]["resource"]
+        assert (resource["flavor_id"], resource["node_count"]) == ("modelarts.vm.cpu.8u", 2)
         assert "modelarts-entrypoint --spec obs://" in algorithm["command"]
         assert "HUAWEICLOUD_SDK_SK" not in algorithm["environments"]  # API credentials stay with the submitter
     first = [j for j in jobs if j.body["algorithm"]["command"].endswith("/chunk-0000000.json")]
     second = [j for j in jobs if j.body["algorithm"]["command"].endswith("/chunk-0000002.json")]
     assert len(first) + len(second) == len(jobs)
     # A loaded machine may also fail a job with exit 3 (e.g. Ray's OOM killer): retried as a new job as well.
-    infra = [j for j in first[:-2] + second[:-1] if j.phase == "Failed" and j.exit_codes == [3]]
+    infra = [j for j in first[:-2] + second[:-1] if j.phase == "Failed" and j.exit_codes[0] == 3]
     assert len(infra) == len(first) - 2 + len(second) - 1
     lost, resumed, last = first[-2], first[-1], second[-1]
-    phases = (lost.phase, lost.secondary_phase, resumed.phase, last.phase)
-    assert phases == ("Abnormal", "Lost", "Completed", "Completed")
+    assert (lost.phase, lost.exit_codes) == ("Failed", [3, -9])  # the head saw its node go: retryable
+    assert (resumed.phase, last.phase) == ("Completed", "Completed")
     logs = [job.log_path("worker-0").read_text() for job in (lost, resumed, last)]
+    for log in logs:  # the trainer and the engine on different nodes of the job's cluster
+        assert "on 2 node(s)" in log
+        [placed] = re.findall(r"trainer group on node\(s\) (\w+); rollout engines on node\(s\) (\w+)", log)
+        assert placed[0] != placed[1], log
     assert "starting from the initial model" in logs[0] and "committed rollout_0000000" in logs[0]
-    assert "committed rollout_0000001" not in logs[0]  # killed mid-chunk
+    assert "committed rollout_0000001" not in logs[0] and "engine exit 3" in logs[0]  # the node died mid-chunk
     assert "resuming from committed checkpoint rollout 0" in logs[1]
     assert "committed rollout_0000001" in logs[1] and "committed rollout_0000000" not in logs[1]
     assert "resuming from committed checkpoint rollout 1" in logs[2]

@@ -11,7 +11,8 @@ the job's own ``algorithm.environments``. Nothing of the test process's environm
 
 Phases move as on ModelArts: Creating → Pending → Running → Completed | Failed, or Terminating →
 Terminated after a stop, or Abnormal (secondary phase Lost) when the test kills a job mid-way with
-``crash(job_id)`` or a ``crash_on_log(text)`` rule. Endpoints: create, show, search (list), logs preview
+``crash(job_id)`` or a ``crash_on_log(text)`` rule. ``lose_node_on_log(text, task)`` kills one task's
+processes (a node lost under a multi-node job) and lets the others decide how the job ends. Endpoints: create, show, search (list), logs preview
 (the last ``preview_limit`` bytes, with ``current_size``/``full_size``), stop (``actions``), delete, events.
 Error codes are representative: APIGW.0301 (signature), ModelArts.0103 (project), ModelArts.2702
 (invalid body), ModelArts.2628 (no such job).
@@ -19,13 +20,13 @@ Error codes are representative: APIGW.0301 (signature), ModelArts.0103 (project)
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import hmac
 import json
 import os
 import re
-import signal
 import subprocess
 import threading
 import time
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlparse
+
+import psutil
 
 _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -99,7 +102,7 @@ class ModelArtsServer:
         self.creating_s, self.pending_s, self.preview_limit = creating_s, pending_s, preview_limit
         self.jobs: dict[str, FakeJob] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path) of every authenticated request
-        self._crash_rules: list[list] = []  # [text, remaining]
+        self._crash_rules: list[list] = []  # [text, remaining, task killed (None: the whole job)]
         self.fail_next = 0  # answer this many authenticated requests with 503, as an overloaded gateway does
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
@@ -112,12 +115,18 @@ class ModelArtsServer:
         """Kill the job's processes as a lost node would, and report Abnormal (secondary phase Lost)."""
         job = self.jobs[job_id]
         job.crashed = True
-        _kill(job.processes)
+        _kill(job)
 
     def crash_on_log(self, text: str, times: int = 1) -> None:
         """Crash the next ``times`` running jobs whose log shows ``text``."""
         with self._lock:
-            self._crash_rules.append([text, times])
+            self._crash_rules.append([text, times, None])
+
+    def lose_node_on_log(self, text: str, task: str, times: int = 1) -> None:
+        """Kill the process group of `task` (e.g. "worker-1") in the next ``times`` running jobs whose log shows
+        ``text``; the job goes on with its other tasks, as ModelArts' does when one node of it is lost."""
+        with self._lock:
+            self._crash_rules.append([text, times, task])
 
     def wait_for_phase(self, job_id: str, phases: set[str], timeout: float = 30.0) -> str:
         deadline = time.monotonic() + timeout
@@ -129,7 +138,7 @@ class ModelArtsServer:
 
     def close(self) -> None:
         for job in self.jobs.values():
-            _kill(job.processes)
+            _kill(job)
         self._server.shutdown()
         self._server.server_close()
 
@@ -180,7 +189,7 @@ class ModelArtsServer:
             while any(p.poll() is None for p in job.processes) and not job.stop_requested:
                 self._apply_crash_rules(job)
                 time.sleep(0.02)
-        _kill(job.processes)
+        _kill(job)
         job.exit_codes = [p.returncode for p in job.processes]
         job.end_time = int(time.time() * 1000)
         if job.crashed:
@@ -195,9 +204,13 @@ class ModelArtsServer:
     def _apply_crash_rules(self, job: FakeJob) -> None:
         with self._lock:
             for rule in self._crash_rules:
-                if rule[1] > 0 and any(rule[0].encode() in job.log_path(t).read_bytes() for t in job.tasks):
+                text, remaining, task = rule
+                if remaining > 0 and any(text.encode() in job.log_path(t).read_bytes() for t in job.tasks):
                     rule[1] -= 1
-                    self.crash(job.id)
+                    if task is None:
+                        self.crash(job.id)
+                    else:
+                        _kill(job, [job.tasks.index(task)])
                     return
 
     def job(self, job_id: str) -> FakeJob:
@@ -247,14 +260,23 @@ class ModelArtsServer:
                            "Incorrect IAM authentication information: verify aksk signature fail")
 
 
-def _kill(processes: list[subprocess.Popen]) -> None:
-    for p in processes:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+def _kill(job: FakeJob, tasks: list[int] | None = None) -> None:
+    """End tasks of a job as ModelArts ends a container: every process of it, the daemons it started too (a Ray
+    node's raylet leaves the task's process group). A container's processes are those with its environment."""
+    indices = range(len(job.processes)) if tasks is None else tasks
+    containers = {(str(job.workdir), str(i)) for i in indices}
+    ours = {job.processes[i].pid for i in indices}  # reaped by Popen below, which then keeps their exit codes
+    victims = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            env = proc.environ()
+            if (env.get("MA_JOB_DIR"), env.get("VC_TASK_INDEX")) in containers:
+                proc.kill()
+                if proc.pid not in ours:
+                    victims.append(proc)
+    for i in indices:
+        job.processes[i].wait()
+    psutil.wait_procs(victims, timeout=30)
 
 
 _ROUTES = [
@@ -314,7 +336,7 @@ def _make_handler(server: ModelArtsServer) -> type[BaseHTTPRequestHandler]:
             if name == "delete":
                 job = server.job(params["job"])
                 job.stop_requested = True
-                _kill(job.processes)
+                _kill(job)
                 del server.jobs[job.id]
                 return 202, None
             if name == "action":

@@ -8,7 +8,7 @@ from ray.exceptions import ActorDiedError
 
 from tasks.chunk_runner import EXIT_INFRASTRUCTURE, exit_code_for
 from vime_engine.config import ConfigError, build_config
-from vime_engine.runtime.rollout_group import EngineRestartsExhausted, FaultTolerance, RolloutGroup
+from vime_engine.runtime.rollout_group import EngineLost, FaultTolerance, RolloutGroup
 
 REQUIRED = {"hf-checkpoint": "/models/m", "prompt-data": "/data/p.jsonl"}
 
@@ -38,7 +38,7 @@ def test_a_death_past_the_restart_limit_ends_the_chunk_as_retryable():
     started = []
     group = RolloutGroup([object()], start_engine=started.append)
     group.watch(FaultTolerance(interval=1, timeout=1, first_wait=0, max_restarts=0), resync=started.append)
-    with pytest.raises(EngineRestartsExhausted, match="--rollout-max-engine-restarts 0") as ended:
+    with pytest.raises(EngineLost, match="--rollout-max-engine-restarts 0") as ended:
         group.replace(0, ActorDiedError())
     assert started == []  # nothing restarted
     assert exit_code_for(ended.value) == EXIT_INFRASTRUCTURE

@@ -7,10 +7,13 @@ instead of leaving actors pending forever.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from vime_engine.config import ConfigError
 from vime_engine.runtime.devices import Accelerator
@@ -51,3 +54,50 @@ def reserve(bundles: list[dict[str, float]], strategy: str, asked: str) -> Place
             f"{describe({k: free.get(k, 0) for k in bundles[0]})} free; devices held by other work?)"
         )
     return group
+
+
+def nodes_of(group: PlacementGroup) -> list[str]:
+    """The Ray node of each bundle of a placed group, as the first 8 hex digits of its node id."""
+    bundles = placement_group_table(group)["bundles_to_node_id"]
+    return [bundles[i][:8] for i in sorted(bundles)]
+
+
+def wait_until_placed(group: PlacementGroup, bundle: int, timeout: float) -> bool:
+    """Whether `bundle` of a placed group sits on a live node within `timeout` seconds. After a node dies Ray
+    places its bundles again where room is left, and an actor started in one still missing would wait forever."""
+    deadline = time.monotonic() + timeout
+    while True:
+        table = placement_group_table(group)
+        alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        if table["state"] == "CREATED" and table["bundles_to_node_id"].get(bundle) in alive:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(1.0)
+
+
+def device_nodes(accel: Accelerator) -> list[dict[str, Any]]:
+    """The live Ray nodes with devices of `accel`'s kind: where a trainer rank or an engine could be placed."""
+    device = accel.ray_resource or "CPU"
+    return [node for node in ray.nodes() if node["Alive"] and node["Resources"].get(device, 0) > 0]
+
+
+def check_nodes_see(nodes: list[dict[str, Any]], paths: dict[str, str]) -> None:
+    """Every node must see each of `paths` (by flag) at the same path, or a rank placed there would fail to load
+    it, or write checkpoints the driver never sees. Raises ConfigError naming each node and flag."""
+    missing = ray.remote(num_cpus=0)(_missing_paths)
+    answers = ray.get([
+        missing.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(paths)
+        for node in nodes
+    ])
+    unseen = [f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]}) lacks {', '.join(flags)}"
+              for node, flags in zip(nodes, answers) if flags]
+    if unseen:
+        raise ConfigError(
+            f"the run's files are not on every node of the Ray cluster: {'; '.join(unseen)}. Put them on a file "
+            f"system every node mounts at the same path (NFS, SFS Turbo, a shared volume)"
+        )
+
+
+def _missing_paths(paths: dict[str, str]) -> list[str]:
+    return [f"{flag} {path}" for flag, path in paths.items() if not os.path.exists(path)]

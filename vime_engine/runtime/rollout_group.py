@@ -27,7 +27,9 @@ thread of its own, beside a running generation); one silent for `--rollout-healt
 dead engine is replaced by a new actor in its bundle, which loads the current weights version
 (`resync`), and the calls it had not finished are sent to it again: the same groups from the same seeds, so the
 same samples. Past `--rollout-max-engine-restarts` restarts in a run, the next death ends it with an error
-raised from Ray's, which the chunk runner classifies as infrastructure (a retry resumes from the checkpoint).
+raised from Ray's, which the chunk runner classifies as infrastructure (a retry resumes from the checkpoint); so
+does a death whose bundle Ray cannot place again (its node left the cluster and no other node has room), instead
+of a new actor that would wait for devices forever.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ from vime_engine.config import EngineConfig
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
 from vime_engine.runtime.devices import Accelerator
-from vime_engine.runtime.placement import actor_resources, bundle_resources, describe, reserve
+from vime_engine.runtime.placement import (
+    PLACEMENT_TIMEOUT_S, actor_resources, bundle_resources, describe, reserve, wait_until_placed,
+)
 from vime_engine.sample import Sample
 from vime_engine.weight_sync.buckets import TensorSpec
 from vime_engine.weight_sync.endpoints import BroadcastReceiver, load_into_engine
@@ -98,8 +102,9 @@ class FaultTolerance:
                    r.rollout_health_check_first_wait, r.rollout_max_engine_restarts)
 
 
-class EngineRestartsExhausted(RuntimeError):
-    """An engine died after the run used up its restarts; raised from Ray's error, so the chunk is retried."""
+class EngineLost(RuntimeError):
+    """An engine died and cannot be restarted (the run used up its restarts, or its devices are gone); raised from
+    Ray's error, so the chunk is retried."""
 
 
 def share_groups(
@@ -333,10 +338,16 @@ class RolloutGroup:
         policy, seen = self.fault_tolerance, time.monotonic()
         while True:
             if self.restarts >= policy.max_restarts:
-                raise EngineRestartsExhausted(
+                raise EngineLost(
                     f"rollout engine {engine} died after the run restarted engines {self.restarts} time(s) "
                     f"(--rollout-max-engine-restarts {policy.max_restarts}): ending the run so that it is retried "
                     f"from its last checkpoint; the engine's error: {error}"
+                ) from error
+            if not wait_until_placed(self.placement, engine, PLACEMENT_TIMEOUT_S):
+                raise EngineLost(
+                    f"rollout engine {engine} died and Ray did not place its devices again within "
+                    f"{PLACEMENT_TIMEOUT_S}s (its node left the cluster and no other node has room): ending the run "
+                    f"so that it is retried from its last checkpoint; the engine's error: {error}"
                 ) from error
             log.warning("rollout engine %d died (%s): starting a new one in its bundle", engine,
                         type(error).__name__)

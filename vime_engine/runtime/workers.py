@@ -12,6 +12,8 @@ stream a round group by group for partial rollout (`Workers.stream`).
 from __future__ import annotations
 
 import contextlib
+import logging
+from pathlib import Path
 
 from ray.exceptions import RayActorError
 
@@ -19,10 +21,13 @@ from vime_engine.config import EngineConfig
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
 from vime_engine.runtime.devices import Accelerator
+from vime_engine.runtime.placement import check_nodes_see, device_nodes, nodes_of
 from vime_engine.runtime.rollout_group import FaultTolerance, GroupRound, PendingSamples, RolloutGroup
 from vime_engine.runtime.trainer_group import RankAddress, TrainerGroup, TrainerRank
 from vime_engine.sample import Sample
 from vime_engine.weight_sync.strategies import make_weight_sync
+
+log = logging.getLogger(__name__)
 
 
 class ColocatedActor(TrainerRank):
@@ -52,11 +57,23 @@ class ColocatedActor(TrainerRank):
         return self.rollout.weight_version
 
 
+def shared_run_files(cfg: EngineConfig) -> dict[str, str]:
+    """What every node of a multi-node run must see, by flag: the model the ranks and engines load and the
+    checkpoint directory the ranks write (made here, so that a first run has one to look for)."""
+    if cfg.checkpoint.save:
+        Path(cfg.checkpoint.save).mkdir(parents=True, exist_ok=True)
+    files = {"--hf-checkpoint": cfg.model.hf_checkpoint, "--save": cfg.checkpoint.save,
+             "--load": cfg.checkpoint.load, "--ref-load": cfg.checkpoint.ref_load}
+    return {flag: path for flag, path in files.items() if path}
+
+
 class Workers:
     """The driver's view of the trainer group and the rollout group, identical for both placements."""
 
     def __init__(self, cfg: EngineConfig, accel: Accelerator):
         kv_cache_bytes = int(cfg.rollout.vllm_kv_cache_gb * 2**30) if accel.kind == "cpu" else None
+        if len(nodes := device_nodes(accel)) > 1:  # a multi-node run: a shared file system, checked first
+            check_nodes_see(nodes, shared_run_files(cfg))
         self.colocated = cfg.placement.colocate
         self.trainer: TrainerGroup | None = None
         self.rollout: RolloutGroup | None = None
@@ -75,6 +92,7 @@ class Workers:
             policy = FaultTolerance.of(cfg)
             if policy is not None:  # config_checks allows it only with the object-store sync
                 self.rollout.watch(policy, lambda engine: self.weight_sync.sync_engine(engine, self.weight_version))
+            log.info("placed on Ray: %s", self.placement())
         except BaseException:
             self.__exit__()  # a group that could not be placed must not keep the other's devices
             raise
@@ -89,6 +107,13 @@ class Workers:
             if group is not None:
                 with contextlib.suppress(Exception):
                     group.shutdown()
+
+    def placement(self) -> str:
+        """Which Ray node holds each trainer rank's bundle and each engine's (short node ids), for the log."""
+        trainer = f"trainer group on node(s) {', '.join(nodes_of(self.trainer.placement))}"
+        if self.colocated:
+            return f"{trainer}, each rank with its engine"
+        return f"{trainer}; rollout engines on node(s) {', '.join(nodes_of(self.rollout.placement))}"
 
     def actors(self) -> list:
         """Every actor of the run (trainer ranks and engines), e.g. to wait until all have started."""

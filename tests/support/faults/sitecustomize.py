@@ -7,6 +7,10 @@ the process writes VIMEFLOW_TEST_FAULT_MARKER so the test knows the kill happene
 With VIMEFLOW_TEST_FAULT_VICTIM=raylet the process SIGKILLs the raylet among its own descendants instead
 (the local Ray cluster a driver started), waits until it is gone and then makes the call: what an OOM kill
 of the raylet looks like to the driver. A process without such a descendant is left alone.
+
+With VIMEFLOW_TEST_FAULT_VICTIM=node (a Ray driver on a multi-node cluster) the process prints
+"VIMEFLOW_TEST_FAULT: waiting for a node to leave", waits until one node of its cluster is dead (the test kills
+it on seeing the line) and then makes the call. It fires once per marker file, so a retried run passes.
 """
 
 import os
@@ -23,7 +27,26 @@ if _SPEC:
     _module, _qualname, _count = _SPEC.split(":")
     _calls = {"n": 0}
 
+    def _wait_for_a_lost_node():
+        import time
+
+        import ray
+
+        marker = os.environ["VIMEFLOW_TEST_FAULT_MARKER"]
+        if os.path.exists(marker):
+            return
+        alive = lambda: sum(node["Alive"] for node in ray.nodes())  # noqa: E731
+        before = alive()
+        with open(marker, "w") as f:
+            f.write(f"{_SPEC} waited for a node of {before}\n")
+        print("VIMEFLOW_TEST_FAULT: waiting for a node to leave", flush=True)
+        deadline = time.monotonic() + 120
+        while alive() == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+
     def _die():
+        if os.environ.get("VIMEFLOW_TEST_FAULT_VICTIM") == "node":
+            return _wait_for_a_lost_node()
         victims = None  # this process
         if os.environ.get("VIMEFLOW_TEST_FAULT_VICTIM") == "raylet":
             import psutil
