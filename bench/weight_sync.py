@@ -1,7 +1,7 @@
 """Weight-sync speed: seconds and GB/s for each path, tiny Qwen3 and SmolLM2-135M, fp32.
 
 Paths (the real actors of `runtime.workers`, on a private local Ray cluster):
-- in-process: the colocated actor walks the trainer's tensors into vLLM (`reload_weights`);
+- in-process: each colocated rank's actor walks the trainer's tensors into its vLLM engine (`reload_weights`);
 - object store: trainer → Ray object store → rollout actor → vLLM;
 - broadcast: bucketed gloo broadcast trainer → rollout actor, streamed into vLLM.
 Bytes are the state dict vLLM receives (including `lm_head.weight` even when tied). Seconds are the driver's
@@ -12,8 +12,9 @@ after one warm-up sync is kept.
     .venv/bin/python bench/weight_sync.py --models tiny-qwen3 --repeat 5 --bucket-mb 16
     .venv/bin/python bench/weight_sync.py --models smollm2-135m-instruct --trainer-ranks 1 2
 
-With `--trainer-ranks 1 2` the disaggregated paths run from a trainer group of one and of two data-parallel
-ranks (rank 0 sends; the others take part in the gather), printed with the ratio to one rank.
+With `--trainer-ranks 1 2` every path runs from a trainer group of one and of two data-parallel ranks, printed with
+the ratio to one rank: disaggregated, rank 0 sends (the others take part in the gather); in process (colocated),
+each rank loads its own engine.
 
 Goal: >= 1 GB/s in-process.
 """
@@ -78,7 +79,7 @@ def main() -> None:
             nbytes = model_bytes(path)
             rows = {}
             for path_name in args.paths:
-                for ranks in [1] if path_name == "in-process" else args.trainer_ranks:
+                for ranks in args.trainer_ranks:
                     cfg = build_config([], **{
                         "hf-checkpoint": str(path), "prompt-data": str(data), "input-key": "question",
                         "label-key": "answer", "vllm-kv-cache-gb": 0.5, "colocate": path_name == "in-process",
@@ -93,7 +94,7 @@ def main() -> None:
                         print(f"{name:24s} {row} / one rank time: {seconds / rows[path_name]:.2f}x")
             if "in-process" in rows:
                 for other in rows:
-                    if other != "in-process":
+                    if other != "in-process" and not other.startswith("in-process-"):
                         print(f"{name:24s} {other} / in-process time: {rows[other] / rows['in-process']:.2f}x")
 
 

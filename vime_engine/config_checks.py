@@ -93,30 +93,38 @@ def _check_parallel_layout(cfg: EngineConfig) -> None:
             f"--global-batch-size {cfg.global_batch_size} does not split over {dp} data-parallel ranks ({ranks} "
             f"trainer ranks / model-parallel size {model_parallel}): use a multiple of {dp}"
         )
-    if p.colocate and world > 1:
-        raise ConfigError(
-            f"--colocate runs one trainer rank beside the rollout engine, but {ranks}: drop --colocate to run "
-            "the trainer group and the engine on their own devices"
-        )
     _check_rollout_layout(cfg)
 
 
 def _check_rollout_layout(cfg: EngineConfig) -> None:
-    """The rollout devices must split into whole engines; colocated runs have exactly one engine."""
+    """The rollout devices must split into whole engines; colocated runs have one engine beside each rank."""
     r = cfg.rollout
     per_engine = r.rollout_num_gpus_per_engine
     if per_engine < 1:
         raise ConfigError(f"--rollout-num-gpus-per-engine {per_engine}: an engine needs at least 1 device")
+    if cfg.placement.colocate:
+        _check_colocated_engines(cfg)
+        return
     if r.rollout_num_gpus is not None and (r.rollout_num_gpus < per_engine or r.rollout_num_gpus % per_engine):
         raise ConfigError(
             f"--rollout-num-gpus {r.rollout_num_gpus} does not split into engines of --rollout-num-gpus-per-engine "
             f"{per_engine}: use a multiple of {per_engine}"
         )
-    if cfg.placement.colocate and cfg.rollout_engines > 1:
+
+
+def _check_colocated_engines(cfg: EngineConfig) -> None:
+    """Colocated: engine i runs inside trainer rank i's actor, on that rank's one device."""
+    r, world = cfg.rollout, cfg.trainer_world_size
+    if r.rollout_num_gpus_per_engine != 1:
         raise ConfigError(
-            f"--colocate runs one engine inside the trainer's actor, but --rollout-num-gpus {r.rollout_num_gpus} / "
-            f"--rollout-num-gpus-per-engine {per_engine} asks for {cfg.rollout_engines} engines (colocating engine i "
-            "beside trainer rank i is not built yet): drop --colocate, or --rollout-num-gpus"
+            f"--colocate runs one engine inside each trainer rank's actor, on its one device, but "
+            f"--rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine} asks for engines of several devices: "
+            "drop --colocate, or --rollout-num-gpus-per-engine"
+        )
+    if r.rollout_num_gpus not in (None, world):
+        raise ConfigError(
+            f"--colocate runs one engine beside each of the {world} trainer ranks, on their devices, but "
+            f"--rollout-num-gpus {r.rollout_num_gpus} asks for {r.rollout_num_gpus}: leave it out or give {world}"
         )
 
 

@@ -1,5 +1,5 @@
-"""The rollout group: two vLLM engines (`--rollout-num-gpus 2`) sample exactly what one engine does, and every
-weight sync reaches both.
+"""The rollout group: two vLLM engines (`--rollout-num-gpus 2`, or `--colocate` beside two trainer ranks) sample
+exactly what one engine does, and every weight sync reaches both.
 
 Real Ray actors and real vLLM on the tiny Qwen3 in fp32, in a private local cluster: one trainer rank and two
 engines of one Ray CPU each. On two shared cores this shows the group is right, not that it is faster.
@@ -76,3 +76,22 @@ def test_two_engines_sample_like_one_and_a_sync_reaches_both(cfg, cluster):
         fresh = workers.generate(RECORDS, 1, 0, plan).result()
         assert {s.weight_version for s in fresh} == {1}
         assert _max_gap(workers, fresh) <= 1e-5  # groups of both engines: each engine loaded the new weights
+
+
+def test_two_colocated_ranks_each_hold_an_engine_that_samples_like_one_and_loads_every_sync(cfg, cluster):
+    """--colocate with two data-parallel trainer ranks: engine i lives in rank i's actor, the pair samples what one
+    engine does, and every sync loads the trained weights into both (each rank walks its own full copy)."""
+    plan = train_plan(cfg)
+    with Workers(cfg.with_overrides(colocate=True, actor_num_gpus_per_node=2), CPU) as workers:
+        assert workers.rollout.engines == workers.trainer.actors() and len(workers.rollout.engines) == 2
+        workers.sync_weights(0)
+        one = ray.get(workers.rollout.engines[1].generate.remote(RECORDS, 0, 0, plan))
+        two = workers.generate(RECORDS, 0, 0, plan).result()
+        assert _drawn(two) == _drawn(one)
+
+        workers.train(two)
+        assert _max_gap(workers, two) > 1e-3
+        workers.sync_weights(1)
+        fresh = workers.generate(RECORDS, 1, 0, plan).result()
+        assert {s.weight_version for s in fresh} == {1}
+        assert _max_gap(workers, fresh) <= 1e-5  # groups of both engines: each rank loaded the new weights

@@ -1,6 +1,7 @@
 """Placing the trainer group and the rollout group on Ray, colocated or disaggregated, behind one facade.
 
-Colocated: one actor holds a trainer of one rank and the one engine; weights move in process memory.
+Colocated: each trainer rank's actor also holds an engine on the rank's device (engine i beside rank i); every
+rank gathers the full weights (collective) and loads them into its own engine in process memory.
 Disaggregated: the trainer group (vime_engine.runtime.trainer_group) and the rollout group of M engines
 (vime_engine.runtime.rollout_group); weights move from the trainer's rank 0 to every engine through Ray's object
 store or a bucketed collective broadcast (`--weight-sync`, see vime_engine.weight_sync.strategies), and after
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 
 
 class ColocatedActor(TrainerRank):
-    """A trainer rank (of a group of one) and the rollout engine in one process: the weight sync is a walk over
-    the trainer's tensors."""
+    """A trainer rank and a rollout engine in one process: the weight sync is a walk over the trainer's full
+    tensors (gathered over the model-parallel ranks, so every rank of the group syncs at once)."""
 
     def __init__(self, cfg: EngineConfig, accel: Accelerator, address: RankAddress, kv_cache_bytes: int | None):
         super().__init__(cfg, accel, address)
@@ -80,7 +81,7 @@ class Workers:
         try:
             if self.colocated:
                 self.trainer = TrainerGroup(cfg, accel, ColocatedActor, kv_cache_bytes)
-                self.rollout = RolloutGroup([self.trainer.leader])
+                self.rollout = RolloutGroup(self.trainer.actors())  # engine i inside rank i's actor
             else:
                 self.trainer = TrainerGroup(cfg, accel)
                 self.rollout = RolloutGroup.launch(cfg, accel, kv_cache_bytes)

@@ -1,6 +1,6 @@
 """How the driver moves the trainer's weights to the rollout engines: one `WeightSync` per placement.
 
-- `InProcessSync` (colocated): the actor holding both walks the trainer's tensors into vLLM.
+- `InProcessSync` (colocated): each rank's actor walks the trainer's full tensors into the vLLM engine it holds.
 The trainer side is the trainer group (vime_engine.runtime.trainer_group): its rank 0 is the source, the other
 ranks take part in gathering the weights (collective for sharded backends).
 
@@ -34,13 +34,15 @@ class WeightSync(Protocol):
 
 
 class InProcessSync:
+    """Colocated: every rank walks the group's full weights (a collective) into the engine in its own actor."""
+
     kind = "in_process"
 
     def __init__(self, colocated_group):
-        self.actor = colocated_group.leader
+        self.actors = colocated_group.actors()
 
     def sync(self, version: int) -> float:
-        return ray.get(self.actor.sync_weights.remote(version))
+        return max(ray.get([actor.sync_weights.remote(version) for actor in self.actors]))
 
 
 class ObjectStoreSync:
