@@ -197,7 +197,8 @@ def train(
 @app.command()
 def run(
     config: Path = typer.Option(None, "--config", help="pipeline YAML (flows/params.py: model, data, engine.flags, "
-                                "training, evaluation, storage, image)"),
+                                "training, evaluation, storage, image), or an engine YAML of vime flags as "
+                                "`vimeflow train --config` takes (e.g. configs/agent-demo.yaml)"),
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """The whole pipeline (stage → convert → train in chunks → evaluate → publish) on the embedded default or

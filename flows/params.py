@@ -59,11 +59,16 @@ class EvalDataset(BaseModel):
     file: str | None = None
 
 
+def eval_sets_of(values: dict[str, Any]) -> list[EvalDataset]:
+    """The eval sets of engine flags (`eval-prompt-data: [name, source, …]`)."""
+    pairs = values.get("eval-prompt-data") or []
+    return [EvalDataset(name=n, source=src) for n, src in zip(pairs[0::2], pairs[1::2])]
+
+
 def _default_eval_sets() -> list[EvalDataset]:
     """demo-engine.yaml's eval sets: the held-out arithmetic problems (where learning shows) and the AIME-shaped
     set (which a 135M model scores near 0 on)."""
-    pairs = demo_engine_values()["eval-prompt-data"]
-    return [EvalDataset(name=n, source=src) for n, src in zip(pairs[0::2], pairs[1::2])]
+    return eval_sets_of(demo_engine_values())
 
 
 class EvaluationSettings(BaseModel):
@@ -81,10 +86,7 @@ class EngineSettings(BaseModel):
     """vime flags (flat names, e.g. `rollout-batch-size: 16`) for everything the pipeline does not set."""
 
     model_config = ConfigDict(extra="forbid")
-    flags: dict[str, Any] = Field(default_factory=lambda: {
-        **{k: v for k, v in demo_engine_values().items() if k not in PIPELINE_FLAGS},
-        **PIPELINE_CHECKPOINT_FLAGS,
-    })
+    flags: dict[str, Any] = Field(default_factory=lambda: engine_flags_of(demo_engine_values()))
 
     @field_validator("flags")
     @classmethod
@@ -101,6 +103,12 @@ class EngineSettings(BaseModel):
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         return flags
+
+
+def engine_flags_of(values: dict[str, Any]) -> dict[str, Any]:
+    """The flags of an engine config the pipeline passes on: all but those it sets itself, with its checkpoint
+    cadence unless the config has one."""
+    return {**PIPELINE_CHECKPOINT_FLAGS, **{k: v for k, v in values.items() if k not in PIPELINE_FLAGS}}
 
 
 class TrainingPlan(BaseModel):
@@ -160,9 +168,28 @@ class PipelineParams(BaseModel):
 
 
 def load_params(path: str | Path | None) -> PipelineParams:
-    """PipelineParams from a YAML file (the embedded default when None)."""
+    """PipelineParams from a YAML file: pipeline parameters, or an engine config of vime flags (what `vimeflow train
+    --config` reads, e.g. configs/agent-demo.yaml); the embedded default when None."""
     if path is None:
         return PipelineParams()
     from vime_engine.config import load_yaml
 
-    return PipelineParams.model_validate(load_yaml(path))
+    values = load_yaml(path)
+    if "hf-checkpoint" in {_norm(k) for k in values}:
+        return params_from_engine_values({_norm(k): v for k, v in values.items()})
+    return PipelineParams.model_validate(values)
+
+
+def params_from_engine_values(values: dict[str, Any]) -> PipelineParams:
+    """An engine config as pipeline parameters: its model, training data, eval sets (with their samples per
+    prompt) and rollout count fill those sections, its other flags the engine's. Its directories (--save,
+    --output-dir, …) are not used: the pipeline keeps the run under its storage root."""
+    evaluation = EvaluationSettings(datasets=eval_sets_of(values))
+    if "n-samples-per-eval-prompt" in values:
+        evaluation.n_samples = int(values["n-samples-per-eval-prompt"])
+    training = {"num_rollouts": int(values["num-rollout"])} if "num-rollout" in values else {}
+    return PipelineParams(
+        model=ModelSource(source=values["hf-checkpoint"]), data=TrainData(source=values["prompt-data"]),
+        engine=EngineSettings(flags=engine_flags_of(values)), training=TrainingPlan(**training),
+        evaluation=evaluation,
+    )
