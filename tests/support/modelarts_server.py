@@ -11,9 +11,11 @@ the job's own ``algorithm.environments``. Nothing of the test process's environm
 
 Phases move as on ModelArts: Creating → Pending → Running → Completed | Failed, or Terminating →
 Terminated after a stop, or Abnormal (secondary phase Lost) when the test kills a job mid-way with
-``crash(job_id)`` or a ``crash_on_log(text)`` rule. ``lose_node_on_log(text, task)`` kills one task's
-processes (a node lost under a multi-node job) and lets the others decide how the job ends. Endpoints: create, show, search (list), logs preview
-(the last ``preview_limit`` bytes, with ``current_size``/``full_size``), stop (``actions``), delete, events.
+``crash(job_id)`` or a ``crash_on_log(text)`` rule; ``lose_node_on_log(text, task)`` kills one task's
+container (a node lost under a multi-node job) and lets the others decide how the job ends. A task's container
+is every process with its environment, as Ray's daemons leave the task's process group. Endpoints: create,
+show, search (list), logs preview (the last ``preview_limit`` bytes, with ``current_size``/``full_size``),
+stop (``actions``), delete, events.
 Error codes are representative: APIGW.0301 (signature), ModelArts.0103 (project), ModelArts.2702
 (invalid body), ModelArts.2628 (no such job).
 """
