@@ -27,9 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-QUESTIONS = [f"What is {a} + {b}? Answer with a number." for a, b in
-             [(3, 4), (12, 9), (7, 21), (5, 5), (18, 27), (40, 2), (9, 9), (33, 11), (6, 14), (25, 25),
-              (1, 99), (64, 36), (8, 16), (70, 7), (13, 31), (2, 2)]]
+from bench.rollout_throughput import QUESTIONS  # noqa: E402  (the same prompts as the single-engine bench)
 
 
 def config(model: Path, args, engines: int, fault_tolerance: bool):

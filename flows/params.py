@@ -175,8 +175,9 @@ def load_params(path: str | Path | None) -> PipelineParams:
     from vime_engine.config import load_yaml
 
     values = load_yaml(path)
-    if "hf-checkpoint" in {_norm(k) for k in values}:
-        return params_from_engine_values({_norm(k): v for k, v in values.items()})
+    flags = {_norm(k): v for k, v in values.items()}
+    if "hf-checkpoint" in flags:
+        return params_from_engine_values(flags)
     return PipelineParams.model_validate(values)
 
 
@@ -184,12 +185,10 @@ def params_from_engine_values(values: dict[str, Any]) -> PipelineParams:
     """An engine config as pipeline parameters: its model, training data, eval sets (with their samples per
     prompt) and rollout count fill those sections, its other flags the engine's. Its directories (--save,
     --output-dir, …) are not used: the pipeline keeps the run under its storage root."""
-    evaluation = EvaluationSettings(datasets=eval_sets_of(values))
-    if "n-samples-per-eval-prompt" in values:
-        evaluation.n_samples = int(values["n-samples-per-eval-prompt"])
-    training = {"num_rollouts": int(values["num-rollout"])} if "num-rollout" in values else {}
+    samples = {"n_samples": values["n-samples-per-eval-prompt"]} if "n-samples-per-eval-prompt" in values else {}
+    training = {"num_rollouts": values["num-rollout"]} if "num-rollout" in values else {}
     return PipelineParams(
         model=ModelSource(source=values["hf-checkpoint"]), data=TrainData(source=values["prompt-data"]),
         engine=EngineSettings(flags=engine_flags_of(values)), training=TrainingPlan(**training),
-        evaluation=evaluation,
+        evaluation=EvaluationSettings(datasets=eval_sets_of(values), **samples),
     )

@@ -62,4 +62,3 @@ def multinode_check(model: Path, output: Path) -> None:
     except ConfigError as refused:  # asked of every node, each named
         assert str(refused).count("lacks --load /no/such/ckpt") == NODES, refused
         print("a directory missing on the nodes is refused before placement")
-

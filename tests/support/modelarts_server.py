@@ -125,7 +125,7 @@ class ModelArtsServer:
             self._crash_rules.append([text, times, None])
 
     def lose_node_on_log(self, text: str, task: str, times: int = 1) -> None:
-        """Kill the process group of `task` (e.g. "worker-1") in the next ``times`` running jobs whose log shows
+        """Kill the container of `task` (e.g. "worker-1") in the next ``times`` running jobs whose log shows
         ``text``; the job goes on with its other tasks, as ModelArts' does when one node of it is lost."""
         with self._lock:
             self._crash_rules.append([text, times, task])
