@@ -38,6 +38,7 @@ def config(model: Path, args, engines: int, fault_tolerance: bool):
         "hf-checkpoint": str(model), "prompt-data": "unused", "apply-chat-template": True,
         "rollout-batch-size": args.prompts, "n-samples-per-prompt": args.n,
         "rollout-max-response-len": args.max_tokens, "vllm-kv-cache-gb": 0.5, "rollout-num-gpus": engines,
+        "colocate": False,  # M engines of their own, also for M=1
         "output-dir": str(args.cache / "rollout-group-out"),
     })
 

@@ -4,8 +4,12 @@ Runs the real driver loop (`runtime.driver.train`: Ray actors, vLLM, torch train
 and reads its perf/* metrics. The first rollout includes warm-up, so the summary averages rollouts 1.. when
 there are at least two.
 
+`--placements` runs the same work under several placements in one process and prints each one's wall seconds per
+rollout (generate + train + sync; under --async-rollout generation overlaps training, so its share is the wait
+left) against the first placement's.
+
     .venv/bin/python bench/step_time.py
-    .venv/bin/python bench/step_time.py --configs tiny --num-rollout 5 --colocate
+    .venv/bin/python bench/step_time.py --configs smollm2 --num-rollout 5 --placements disaggregated broadcast colocated async
 """
 
 from __future__ import annotations
@@ -45,6 +49,21 @@ def engine_config(name: str, cache: Path, **overrides):
     })
 
 
+# placement: the engine flags it sets
+PLACEMENTS = {
+    "disaggregated": {"colocate": False},
+    "broadcast": {"weight-sync": "broadcast"},
+    "colocated": {"colocate": True},
+    "async": {"async-rollout": True},
+}
+
+
+def steady_parts(history: list[dict]) -> dict[str, float]:
+    """Mean seconds of each part over the rollouts after the first (warm-up), when there are at least two."""
+    steady = history[1:] if len(history) > 1 else history
+    return {part: statistics.fmean(r[key] for r in steady) for part, key in PARTS}
+
+
 def main() -> None:
     from vime_engine.runtime.cluster import ray_cluster
     from vime_engine.runtime.driver import train
@@ -53,24 +72,28 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--cache", type=Path, default=Path("/tmp/vf_bench"))
     parser.add_argument("--num-rollout", type=int, default=3)
-    parser.add_argument("--colocate", action="store_true", help="one actor for trainer and engine")
+    parser.add_argument("--placements", nargs="+", default=["disaggregated"], choices=list(PLACEMENTS))
     args = parser.parse_args()
 
     with ray_cluster(num_cpus=4):
         for name in args.configs:
             _, prompts, n, max_len = CONFIGS[name]
-            cfg = engine_config(name, args.cache, **{"num-rollout": args.num_rollout, "colocate": args.colocate,
-                                                     "output-dir": str(args.cache / "steps")})
-            history = train(cfg).history
-            for row in history:
-                parts = "  ".join(f"{part} {row[key]:7.3f} s" for part, key in PARTS)
-                print(f"{name:8s} rollout {row['rollout_id']}: {parts}  ({row['perf/tokens_per_sec']:.0f} tok/s)")
-            steady = history[1:] if len(history) > 1 else history
-            means = {part: statistics.fmean(r[key] for r in steady) for part, key in PARTS}
-            total = sum(means.values())
-            split = "  ".join(f"{part} {s:.3f} s ({100 * s / total:.0f}%)" for part, s in means.items())
-            print(f"{name:8s} mean step ({'colocated' if args.colocate else 'disaggregated'}, {prompts}x{n} samples, "
-                  f"<= {max_len} tokens): {total:.3f} s = {split}", flush=True)
+            totals = {}
+            for placement in args.placements:
+                cfg = engine_config(name, args.cache, **{"num-rollout": args.num_rollout, **PLACEMENTS[placement],
+                                                         "output-dir": str(args.cache / f"steps-{placement}")})
+                history = train(cfg).history
+                for row in history:
+                    parts = "  ".join(f"{part} {row[key]:7.3f} s" for part, key in PARTS)
+                    print(f"{name:8s} {placement:13s} rollout {row['rollout_id']}: {parts}", flush=True)
+                means = steady_parts(history)
+                totals[placement] = sum(means.values())
+                split = "  ".join(f"{part} {s:.3f} s ({100 * s / totals[placement]:.0f}%)" for part, s in means.items())
+                print(f"{name:8s} {placement:13s} mean step ({prompts}x{n} samples, <= {max_len} tokens): "
+                      f"{totals[placement]:.3f} s = {split}", flush=True)
+            base = args.placements[0]
+            for placement, total in totals.items():
+                print(f"{name:8s} {placement:13s} {total:.3f} s per rollout, {total / totals[base]:.2f}x {base}")
 
 
 if __name__ == "__main__":

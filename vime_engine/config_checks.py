@@ -33,7 +33,7 @@ def check_combinations(cfg: EngineConfig) -> None:
             "set --n-samples-per-prompt to 2 or more"
         )
     _check_kl_flags(a)
-    if cfg.placement.async_rollout and cfg.placement.colocate:
+    if cfg.placement.async_rollout and cfg.placement.colocate is True:
         raise ConfigError("--async-rollout needs the rollout engine on its own actor: drop --colocate")
     _check_fault_tolerance(cfg)
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
@@ -102,7 +102,7 @@ def _check_rollout_layout(cfg: EngineConfig) -> None:
     per_engine = r.rollout_num_gpus_per_engine
     if per_engine < 1:
         raise ConfigError(f"--rollout-num-gpus-per-engine {per_engine}: an engine needs at least 1 device")
-    if cfg.placement.colocate:
+    if cfg.placement.colocate is True:
         _check_colocated_engines(cfg)
         return
     if r.rollout_num_gpus is not None and (r.rollout_num_gpus < per_engine or r.rollout_num_gpus % per_engine):
@@ -134,7 +134,7 @@ def _check_fault_tolerance(cfg: EngineConfig) -> None:
     if not cfg.rollout.use_fault_tolerance:
         return
     why = None
-    if p.colocate:
+    if p.colocate is True:
         why = "--colocate puts the engine inside the trainer's actor, which a restart would lose: drop --colocate"
     elif p.weight_sync == "broadcast":
         why = ("a restarted engine cannot join the running broadcast group (--weight-sync broadcast): "

@@ -38,6 +38,7 @@ def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path,
         "--max-tokens-per-gpu", "512", "--vllm-kv-cache-gb", "0.25", "--output-dir", str(out),
         "--rollout-num-gpus-per-engine", "1",  # vLLM-CPU tensor parallelism needs one NUMA node per rank
         "--actor-num-gpus-per-node", "2",  # a trainer group of two data-parallel ranks (one Ray CPU each)
+        "--colocate", "false",  # the script's disaggregated layout: on CPU `auto` would colocate
     ]
     run = _vimeflow(*flags, *scaled_down)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -43,7 +43,7 @@ def _run(inputs, name: str, **flags):
 
 PLACEMENTS = {
     "colocated": {"colocate": True},
-    "disaggregated": {},
+    "disaggregated": {"colocate": False},
     # Two engines (the rollout group): each sync is one broadcast to both, each rollout spread over both.
     "two-engines-broadcast": {"weight-sync": "broadcast", "rollout-num-gpus": 2},
 }

@@ -155,7 +155,7 @@ def test_a_raylet_killed_under_a_run_is_a_retryable_infrastructure_failure(tmp_p
     runner = threading.Thread(target=run)
     runner.start()
     engine_tree: list[psutil.Process] = []  # the engine process and its descendants: its Ray cluster
-    while runner.is_alive() and not any(_name(p).startswith("ray::Rollout") for p in engine_tree):
+    while runner.is_alive() and not any(_name(p).startswith(("ray::Rollout", "ray::Colocated")) for p in engine_tree):
         time.sleep(0.2)  # until the actors exist: by then every Ray server of the cluster listens
         engine_tree = _engine_tree()
     listening = _listening_addresses(engine_tree)

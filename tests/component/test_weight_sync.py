@@ -41,7 +41,7 @@ def _max_gap(workers: Workers, samples) -> float:
 
 @pytest.mark.parametrize("kind", ["object_store", "broadcast"])
 def test_sync_makes_rollout_log_probs_match_trainer(cfg, cluster, kind):
-    with Workers(cfg.with_overrides(weight_sync=kind), CPU) as workers:
+    with Workers(cfg.with_overrides(weight_sync=kind, colocate=False), CPU) as workers:
         assert workers.weight_sync.kind == kind
         plan = train_plan(cfg)
         workers.sync_weights(0)

@@ -81,7 +81,7 @@ def test_every_stage_ran_and_the_published_report_is_consistent(prefect_api: Pre
     assert cache_dir() in Path(layout.work_dir).parents
     assert sorted(f.name for f in logs.glob("*.log")) == ["chunk-0000000.log", "chunk-0000002.log",
                                                          "export-rollout_0000003.log"]
-    assert "(RolloutActor pid=" in (logs / "chunk-0000002.log").read_text()
+    assert "Initializing a V1 LLM engine" in (logs / "chunk-0000002.log").read_text()
 
 
 def test_parameters_round_trip(prefect_api: PrefectAPI, deployed_run: DeployedRun):

@@ -30,7 +30,7 @@ NON_MATH_FIELDS = {
     "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
     "eval_temperature", "eval_top_p", "eval_input_key", "eval_label_key", "eval_rm_type",
     "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "rollout_num_gpus", "rollout_num_gpus_per_engine",
-    "actor_num_nodes", "actor_num_gpus_per_node", "weight_sync", "weight_sync_bucket_mb",
+    "actor_num_nodes", "actor_num_gpus_per_node", "colocate", "weight_sync", "weight_sync_bucket_mb",
     "use_fault_tolerance", "rollout_health_check_interval", "rollout_health_check_timeout",
     "rollout_health_check_first_wait", "rollout_max_engine_restarts",
     "vllm_enforce_eager", "vllm_enable_prefix_caching", "vllm_enable_chunked_prefill", "vllm_max_num_batched_tokens",
@@ -81,7 +81,7 @@ class EngineConfig(BaseModel):
         """vLLM engines of the rollout group: `--rollout-num-gpus / --rollout-num-gpus-per-engine` (one without
         `--rollout-num-gpus`); colocated, one beside each trainer rank."""
         r = self.rollout
-        if self.placement.colocate:
+        if self.placement.colocate is True:
             return self.trainer_world_size
         return 1 if r.rollout_num_gpus is None else r.rollout_num_gpus // r.rollout_num_gpus_per_engine
 

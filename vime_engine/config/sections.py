@@ -190,7 +190,10 @@ class TrainConfig(_Section):
 
 
 class PlacementConfig(_Section):
-    colocate: bool = Field(False, description="trainer and rollout engine share one actor (and device)")
+    colocate: bool | Literal["auto"] = Field(
+        "auto", description="trainer rank i and engine i share one actor (and device); auto: on a CPU run of one "
+        "node with the torch backend, unless a flag needs the engine on its own actor"
+    )
     async_rollout: bool = Field(False, description="generate rollout i+1 while training on i (not colocated)")
     actor_num_nodes: int = Field(1, ge=1)
     actor_num_gpus_per_node: int = Field(1, ge=1)

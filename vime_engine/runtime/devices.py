@@ -41,6 +41,17 @@ NPU = Accelerator(
 )
 
 
+def cpu_threads(cores: int, group_on_node: int, overlapped: bool) -> int:
+    """Torch threads of one CPU actor, a trainer rank or an engine, of a group with `group_on_node` actors on a
+    node of `cores` cores.
+
+    Ray starts a one-CPU actor with OMP_NUM_THREADS=1, which left a core idle whenever one side worked. In the
+    synchronous loop the engines wait while the trainer trains and the other way round, so each group's actors
+    split all the node's cores; under --async-rollout the two sides work at once and the other keeps a share.
+    """
+    return max(1, cores // (group_on_node + (1 if overlapped else 0)))
+
+
 def resolve_accelerator(choice: str = "auto") -> Accelerator:
     """`auto` picks CUDA when torch sees a GPU, NPU when torch_npu is installed, else CPU."""
     if choice == "cpu":

@@ -17,6 +17,7 @@ from vime_engine.metrics import rollout_metrics, version_metrics
 from vime_engine.preflight import preflight
 from vime_engine.rollout.dynamic_sampling import collect_groups
 from vime_engine.runtime.cluster import ray_cluster
+from vime_engine.runtime.placement import with_placement_decided
 from vime_engine.runtime.devices import resolve_accelerator
 from vime_engine.runtime.preemption import Preempted, PreemptionGuard
 from vime_engine.runtime.run_state import RunContext, run_evaluations
@@ -36,7 +37,7 @@ class RunResult:
 def local_cluster_cpus(cfg: EngineConfig) -> int:
     """Ray CPUs of a private local cluster: one per trainer rank and per engine device (colocated: the engine is in
     the trainer's actor), at least the machine's."""
-    rollout_devices = 0 if cfg.placement.colocate else cfg.rollout_engines * cfg.rollout.rollout_num_gpus_per_engine
+    rollout_devices = 0 if cfg.placement.colocate is True else cfg.rollout_engines * cfg.rollout.rollout_num_gpus_per_engine
     return max(4, os.cpu_count() or 1, cfg.trainer_world_size + rollout_devices)
 
 
@@ -44,8 +45,10 @@ def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: Roll
     """Run rollouts from the resume point (or 0) up to `end_rollout_id` (default `--num-rollout`)."""
     end = cfg.rollout.num_rollout if end_rollout_id is None else end_rollout_id
     preflight(cfg)  # model, checkpoints and every data row, before Ray or any worker starts
+    accel = resolve_accelerator(cfg.placement.device)
+    cfg = with_placement_decided(cfg, accel.kind)
     with (ray_cluster(cfg.placement.ray_address, num_cpus=local_cluster_cpus(cfg)), PreemptionGuard() as preemption,
-          Workers(cfg, resolve_accelerator(cfg.placement.device)) as workers):
+          Workers(cfg, accel) as workers):
         ctx = RunContext.open(cfg, workers)
         state, result = ctx.state, RunResult()
         workers.sync_weights(state.weight_version)  # the engine serves the trainer's (possibly resumed) weights

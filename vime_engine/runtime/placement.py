@@ -15,10 +15,30 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from vime_engine.config import ConfigError
+from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.runtime.devices import Accelerator
 
 PLACEMENT_TIMEOUT_S = 120
+
+
+def colocate_by_default(cfg: EngineConfig, device_kind: str) -> bool:
+    """What `--colocate auto` decides: rank i and engine i in one actor on a CPU run of one node with the torch
+    backend (bench/step_time.py: SmolLM2 in 0.76x the time per rollout of the disaggregated placement, the sync in
+    process instead of through the object store), unless a flag needs the engine on an actor of its own. On
+    accelerators the two would share a device's memory, which our engines do not hand back between rollouts."""
+    p, r = cfg.placement, cfg.rollout
+    return (device_kind == "cpu" and p.ray_address is None and p.actor_num_nodes == 1
+            and cfg.train.train_backend == "torch" and p.weight_sync == "object_store"
+            and not p.async_rollout and not r.use_fault_tolerance
+            and r.rollout_num_gpus in (None, cfg.trainer_world_size) and r.rollout_num_gpus_per_engine == 1)
+
+
+def with_placement_decided(cfg: EngineConfig, device_kind: str) -> EngineConfig:
+    """`cfg` with `--colocate auto` replaced by what it decides on `device_kind`."""
+    if cfg.placement.colocate != "auto":
+        return cfg
+    placement = cfg.placement.model_copy(update={"colocate": colocate_by_default(cfg, device_kind)})
+    return cfg.model_copy(update={"placement": placement})
 
 
 def bundle_resources(accel: Accelerator, devices: int) -> dict[str, float]:

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
+import torch
 from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -49,7 +50,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vime_engine.config import EngineConfig
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
-from vime_engine.runtime.devices import Accelerator
+from vime_engine.runtime.devices import Accelerator, cpu_threads
 from vime_engine.runtime.placement import (
     PLACEMENT_TIMEOUT_S, actor_resources, bundle_resources, describe, reserve, wait_until_placed,
 )
@@ -66,6 +67,12 @@ class RolloutActor(RolloutWorker):
     """One engine of the disaggregated rollout group; adds the receiving end of the broadcast weight sync."""
 
     receiver: BroadcastReceiver | None = None
+
+    def __init__(self, cfg: EngineConfig, kv_cache_bytes: int | None, on_cpu: bool):
+        if on_cpu:  # before vLLM starts: its CPU backend refuses a thread count set later
+            torch.set_num_threads(cpu_threads(len(os.sched_getaffinity(0)), cfg.rollout_engines,
+                                              cfg.placement.async_rollout))
+        super().__init__(cfg, kv_cache_bytes)
 
     def open_weight_receiver(
         self, address: GroupAddress, specs: list[TensorSpec], bucket_bytes: int, device: str, rank: int,
@@ -229,7 +236,7 @@ class RolloutGroup:
             return remote_class.options(
                 runtime_env={"env_vars": dict(accel.actor_env)}, **actor_resources(accel, per_engine),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement, i),
-            ).remote(cfg, kv_cache_bytes)
+            ).remote(cfg, kv_cache_bytes, accel.kind == "cpu")
 
         return cls([start_engine(i) for i in range(count)], placement, start_engine)
 

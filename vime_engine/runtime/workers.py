@@ -22,7 +22,7 @@ from vime_engine.config import EngineConfig
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
 from vime_engine.runtime.devices import Accelerator
-from vime_engine.runtime.placement import check_nodes_see, device_nodes, nodes_of
+from vime_engine.runtime.placement import check_nodes_see, device_nodes, nodes_of, with_placement_decided
 from vime_engine.runtime.rollout_group import FaultTolerance, GroupRound, PendingSamples, RolloutGroup
 from vime_engine.runtime.trainer_group import RankAddress, TrainerGroup, TrainerRank
 from vime_engine.sample import Sample
@@ -72,6 +72,7 @@ class Workers:
     """The driver's view of the trainer group and the rollout group, identical for both placements."""
 
     def __init__(self, cfg: EngineConfig, accel: Accelerator):
+        cfg = with_placement_decided(cfg, accel.kind)
         kv_cache_bytes = int(cfg.rollout.vllm_kv_cache_gb * 2**30) if accel.kind == "cpu" else None
         if len(nodes := device_nodes(accel)) > 1:  # a multi-node run: a shared file system, checked first
             check_nodes_see(nodes, shared_run_files(cfg))
