@@ -23,7 +23,7 @@ PLACEMENT_TIMEOUT_S = 120
 
 def colocate_by_default(cfg: EngineConfig, device_kind: str) -> bool:
     """What `--colocate auto` decides: rank i and engine i in one actor on a CPU run of one node with the torch
-    backend (bench/step_time.py: SmolLM2 in 0.76x the time per rollout of the disaggregated placement, the sync in
+    backend (bench/step_time.py: SmolLM2 in 0.74x the time per rollout of the disaggregated placement, the sync in
     process instead of through the object store), unless a flag needs the engine on an actor of its own. On
     accelerators the two would share a device's memory, which our engines do not hand back between rollouts."""
     p, r = cfg.placement, cfg.rollout
