@@ -9,7 +9,8 @@ rollout (generate + train + sync; under --async-rollout generation overlaps trai
 left) against the first placement's.
 
     .venv/bin/python bench/step_time.py
-    .venv/bin/python bench/step_time.py --configs smollm2 --num-rollout 5 --placements disaggregated broadcast colocated async
+    .venv/bin/python bench/step_time.py --configs smollm2 --num-rollout 4 \
+        --placements disaggregated broadcast colocated async
 """
 
 from __future__ import annotations

@@ -52,6 +52,16 @@ def cpu_threads(cores: int, group_on_node: int, overlapped: bool) -> int:
     return max(1, cores // (group_on_node + (1 if overlapped else 0)))
 
 
+def use_cpu_share(group_on_node: int, overlapped: bool) -> None:
+    """Run this process's torch on its `cpu_threads` share of the cores it may use (before vLLM starts: its CPU
+    backend refuses a thread count set later)."""
+    import os
+
+    import torch
+
+    torch.set_num_threads(cpu_threads(len(os.sched_getaffinity(0)), group_on_node, overlapped))
+
+
 def resolve_accelerator(choice: str = "auto") -> Accelerator:
     """`auto` picks CUDA when torch sees a GPU, NPU when torch_npu is installed, else CPU."""
     if choice == "cpu":

@@ -17,8 +17,8 @@ from vime_engine.metrics import rollout_metrics, version_metrics
 from vime_engine.preflight import preflight
 from vime_engine.rollout.dynamic_sampling import collect_groups
 from vime_engine.runtime.cluster import ray_cluster
-from vime_engine.runtime.placement import with_placement_decided
 from vime_engine.runtime.devices import resolve_accelerator
+from vime_engine.runtime.placement import with_placement_decided
 from vime_engine.runtime.preemption import Preempted, PreemptionGuard
 from vime_engine.runtime.run_state import RunContext, run_evaluations
 from vime_engine.runtime.workers import Workers
@@ -37,7 +37,8 @@ class RunResult:
 def local_cluster_cpus(cfg: EngineConfig) -> int:
     """Ray CPUs of a private local cluster: one per trainer rank and per engine device (colocated: the engine is in
     the trainer's actor), at least the machine's."""
-    rollout_devices = 0 if cfg.placement.colocate is True else cfg.rollout_engines * cfg.rollout.rollout_num_gpus_per_engine
+    colocated = cfg.placement.colocate is True
+    rollout_devices = 0 if colocated else cfg.rollout_engines * cfg.rollout.rollout_num_gpus_per_engine
     return max(4, os.cpu_count() or 1, cfg.trainer_world_size + rollout_devices)
 
 

@@ -42,7 +42,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
-import torch
 from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -50,7 +49,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vime_engine.config import EngineConfig
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
-from vime_engine.runtime.devices import Accelerator, cpu_threads
+from vime_engine.runtime.devices import Accelerator, use_cpu_share
 from vime_engine.runtime.placement import (
     PLACEMENT_TIMEOUT_S, actor_resources, bundle_resources, describe, reserve, wait_until_placed,
 )
@@ -69,9 +68,8 @@ class RolloutActor(RolloutWorker):
     receiver: BroadcastReceiver | None = None
 
     def __init__(self, cfg: EngineConfig, kv_cache_bytes: int | None, on_cpu: bool):
-        if on_cpu:  # before vLLM starts: its CPU backend refuses a thread count set later
-            torch.set_num_threads(cpu_threads(len(os.sched_getaffinity(0)), cfg.rollout_engines,
-                                              cfg.placement.async_rollout))
+        if on_cpu:
+            use_cpu_share(cfg.rollout_engines, cfg.placement.async_rollout)
         super().__init__(cfg, kv_cache_bytes)
 
     def open_weight_receiver(

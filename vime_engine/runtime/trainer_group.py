@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.manifest import FileEntry
-from vime_engine.runtime.devices import Accelerator, cpu_threads
+from vime_engine.runtime.devices import Accelerator, use_cpu_share
 from vime_engine.runtime.placement import actor_resources, bundle_resources, describe, reserve
 from vime_engine.sample import Sample
 from vime_engine.train.backend import TrainBackend, build_train_backend
@@ -64,8 +64,7 @@ class TrainerRank:
 
     def __init__(self, cfg: EngineConfig, accel: Accelerator, address: RankAddress):
         if accel.kind == "cpu":
-            torch.set_num_threads(cpu_threads(len(os.sched_getaffinity(0)), cfg.placement.actor_num_gpus_per_node,
-                                              cfg.placement.async_rollout))
+            use_cpu_share(cfg.placement.actor_num_gpus_per_node, cfg.placement.async_rollout)
         join_process_group(address, accel.dist_backend)
         self.rank = address.rank
         self.device = accel.torch_device
