@@ -1,4 +1,5 @@
-"""Micro-batches by token budget are the default; `--micro-batch-size` alone keeps runs of N samples."""
+"""Micro-batches of similar lengths within a padded-token budget are the default; `--micro-batch-size` alone keeps
+runs of N samples."""
 
 import pytest
 import torch
@@ -15,17 +16,18 @@ def _train(**flags):
 
 
 def test_default_is_a_token_budget_never_below_the_longest_sample():
-    assert plan_micro_batches(_train(), LENGTHS, derived_budget=1000) == [[0, 1, 2, 3, 4]]
+    # 50, 40, 30 padded to 150 (30 of it padding); 20 would make it 200 with 60: it opens the next, with 10.
+    assert plan_micro_batches(_train(), LENGTHS, derived_budget=1000) == [[0, 2, 4], [1, 3]]
     # A derived budget below the longest sample becomes that sample's length, rather than refusing the rollout.
-    assert plan_micro_batches(_train(), LENGTHS, derived_budget=5) == [[0, 3], [1, 4], [2]]
+    assert plan_micro_batches(_train(), LENGTHS, derived_budget=5) == [[0], [1, 3], [2], [4]]
 
 
 def test_explicit_flags_win():
     assert plan_micro_batches(_train(**{"micro-batch-size": 2}), LENGTHS, 1000) == [[0, 1], [2, 3], [4]]
     budget = _train(**{"max-tokens-per-gpu": 60})
-    assert plan_micro_batches(budget, LENGTHS, 10_000) == [[0], [1, 2], [3, 4]]
+    assert plan_micro_batches(budget, LENGTHS, 10_000) == [[0, 3], [1], [2], [4]]  # 2 x 30 fits 60; 2 x 50 not
     both = _train(**{"micro-batch-size": 2, "use-dynamic-batch-size": True, "max-tokens-per-gpu": 100})
-    assert plan_micro_batches(both, LENGTHS, 1) == [[0, 3], [1, 2, 4]]
+    assert plan_micro_batches(both, LENGTHS, 1) == [[0, 3], [1], [2, 4]]
     with pytest.raises(ValueError, match="--max-tokens-per-gpu"):
         plan_micro_batches(_train(**{"max-tokens-per-gpu": 40}), LENGTHS, 10_000)
 

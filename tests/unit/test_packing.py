@@ -6,62 +6,66 @@ import random
 
 import pytest
 
-from vime_engine.algorithms.packing import balanced_shares, fixed_size_micro_batches, pack_by_token_budget
+from vime_engine.algorithms.packing import balanced_shares, fixed_size_micro_batches, pack_by_padded_length
 
 
-def test_first_fit_decreasing_by_hand() -> None:
-    # lengths [5, 3, 4, 2, 6], budget 8; visit longest first: 6 (i4), 5 (i0), 4 (i2), 3 (i1), 2 (i3)
-    #   i4 -> bin A (room 2); i0 -> bin B (room 3); i2 -> bin C (room 4)
-    #   i1 (3) -> first with room >= 3 is B -> B = {0, 1}, room 0
-    #   i3 (2) -> A has room 2 -> A = {4, 3}, room 0
-    # sorted within and across bins: [[0, 1], [2], [3, 4]]
-    assert pack_by_token_budget([5, 3, 4, 2, 6], 8) == [[0, 1], [2], [3, 4]]
+def test_similar_lengths_go_together_by_hand() -> None:
+    # lengths [50, 10, 48, 12, 11], budget 1000, padding at most a quarter; longest first: 50 (i0), 48 (i2), ...
+    #   i0 opens A; i2 -> A: 2 rows x 50 = 100 padded, 98 real; i3 (12) -> A: 150 padded, 110 real, 40 padding
+    #   > 37.5 -> opens B; i4 (11) -> B: 24 padded, 23 real; i1 (10) -> B: 36 padded, 33 real
+    assert pack_by_padded_length([50, 10, 48, 12, 11], 1000, 0.25) == [[0, 2], [1, 3, 4]]
+    # one micro-batch when the lengths allow, a budget counted in padded tokens (3 x 50 > 120)
+    assert pack_by_padded_length([50, 48, 45], 1000, 0.25) == [[0, 1, 2]]
+    assert pack_by_padded_length([50, 48, 45], 120, 0.25) == [[0, 1], [2]]
 
 
-def test_exact_fits_and_ties_break_by_index() -> None:
-    # four 4s into 8: i0 -> A, i1 -> A (full), i2 -> B, i3 -> B
-    assert pack_by_token_budget([4, 4, 4, 4], 8) == [[0, 1], [2, 3]]
-    # zero-length samples fit anywhere: the 5 opens A, both zeros join it
-    assert pack_by_token_budget([0, 5, 0], 5) == [[0, 1, 2]]
-    assert pack_by_token_budget([], 8) == []
+def test_exact_fits_ties_and_empty() -> None:
+    # four 4s into 8: i0, i1 fill A (8 padded); i2 opens B
+    assert pack_by_padded_length([4, 4, 4, 4], 8, 0.25) == [[0, 1], [2, 3]]
+    # no padding allowed: only equal lengths share a micro-batch
+    assert pack_by_padded_length([3, 2, 3, 2], 100, 0.0) == [[0, 2], [1, 3]]
+    assert pack_by_padded_length([0, 5, 0], 5, 0.25) == [[0, 2], [1]]  # empty samples together, not padded to 5
+    assert pack_by_padded_length([], 8, 0.25) == []
 
 
 def test_a_sample_over_the_budget_names_the_flag_and_a_value() -> None:
     with pytest.raises(ValueError) as err:
-        pack_by_token_budget([3, 9, 7], 5)
+        pack_by_padded_length([3, 9, 7], 5, 0.25)
     message = str(err.value)
     assert "--max-tokens-per-gpu=5" in message
     assert "sample 1 has 9 tokens" in message
     assert "at least 9" in message
 
 
-def test_invalid_budget_or_length() -> None:
+def test_invalid_budget_share_or_length() -> None:
     with pytest.raises(ValueError, match="--max-tokens-per-gpu must be > 0"):
-        pack_by_token_budget([1], 0)
+        pack_by_padded_length([1], 0, 0.25)
+    with pytest.raises(ValueError, match="max_padding_share"):
+        pack_by_padded_length([1], 4, 1.0)
     with pytest.raises(ValueError, match="negative length"):
-        pack_by_token_budget([1, -1], 4)
+        pack_by_padded_length([1, -1], 4, 0.25)
 
 
 def test_packing_invariants_over_random_lengths() -> None:
     rng = random.Random(20261129)
     for _ in range(300):
         max_tokens = rng.randint(1, 4096)
+        share = rng.choice([0.0, 0.1, 0.25, 0.5])
         lengths = [rng.randint(0, max_tokens) for _ in range(rng.randint(0, 64))]
-        bins = pack_by_token_budget(lengths, max_tokens)
+        bins = pack_by_padded_length(lengths, max_tokens, share)
 
         flat = [i for members in bins for i in members]
         assert sorted(flat) == list(range(len(lengths)))  # every index exactly once
         for members in bins:
             assert members  # no empty micro-batch
             assert members == sorted(members)  # ascending within a bin
-            assert sum(lengths[i] for i in members) <= max_tokens  # budget respected
+            padded = len(members) * max(lengths[i] for i in members)
+            assert padded <= max_tokens  # budget respected in padded tokens
+            assert padded - sum(lengths[i] for i in members) <= share * padded  # padding bounded
         assert [members[0] for members in bins] == sorted(members[0] for members in bins)
-        # first fit leaves at most one bin at most half full (a later bin's first item did not fit into it)
-        loads = [sum(lengths[i] for i in members) for members in bins]
-        assert sum(1 for load in loads if 2 * load <= max_tokens) <= 1
-        # no fewer bins than the volume bound, and deterministic
-        assert len(bins) >= -(-sum(lengths) // max_tokens)
-        assert pack_by_token_budget(list(lengths), max_tokens) == bins
+        # never more padded work than padding every sample to the longest in one forward would cost
+        assert sum(len(m) * max(lengths[i] for i in m) for m in bins) <= len(lengths) * max(lengths, default=0)
+        assert pack_by_padded_length(list(lengths), max_tokens, share) == bins  # deterministic
 
 
 def test_fixed_size_micro_batches() -> None:

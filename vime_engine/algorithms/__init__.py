@@ -23,7 +23,7 @@ from vime_engine.algorithms.losses import (
     tis_weights,
     value_loss,
 )
-from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
+from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_padded_length
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -40,7 +40,7 @@ __all__ = [
     "kl_penalty",
     "loss_reducer",
     "masked_whiten",
-    "pack_by_token_budget",
+    "pack_by_padded_length",
     "policy_loss",
     "ppo_kl",
     "reinforce_plus_plus_advantages",

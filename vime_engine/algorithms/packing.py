@@ -4,25 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["balanced_shares", "fixed_size_micro_batches", "pack_by_token_budget"]
+__all__ = ["balanced_shares", "fixed_size_micro_batches", "pack_by_padded_length"]
 
 
-def pack_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Group sample indices into micro-batches of at most `max_tokens` tokens (`--max-tokens-per-gpu`).
+def pack_by_padded_length(lengths: Sequence[int], max_tokens: int, max_padding_share: float) -> list[list[int]]:
+    """Group sample indices into micro-batches for a forward that pads every row to the micro-batch's longest.
 
-    Algorithm: first-fit decreasing. Samples are visited longest first (ties by lower index) and each goes
-    into the first micro-batch, in order of creation, that still has room; a new micro-batch is opened
-    when none has. This uses at most 11/9 * OPT + 6/9 micro-batches. Deterministic: the result depends only
-    on `lengths` and `max_tokens`.
+    A micro-batch of `rows` samples whose longest has `L` tokens costs `rows * L` tokens of work and memory, so
+    samples of similar length go together. Algorithm: samples are visited longest first (ties by lower index);
+    each joins the micro-batch opened last while its padded size stays within `max_tokens` (`--max-tokens-per-gpu`)
+    and its padding stays at most `max_padding_share` of that size; otherwise it opens a new one. Deterministic:
+    the result depends only on the arguments.
 
-    Invariants of the result: every index of `lengths` appears exactly once; each micro-batch's total
-    length is <= max_tokens; indices within a micro-batch are ascending; micro-batches are ordered by
-    their smallest index; no micro-batch is empty. An empty `lengths` gives [].
+    Invariants of the result: every index of `lengths` appears exactly once; each micro-batch's padded size is
+    <= max_tokens and its padding <= max_padding_share of it; indices within a micro-batch are ascending;
+    micro-batches are ordered by their smallest index; no micro-batch is empty. An empty `lengths` gives [].
 
     Raises ValueError when a single sample is longer than `max_tokens` (no split could hold it).
     """
     if max_tokens <= 0:
         raise ValueError(f"--max-tokens-per-gpu must be > 0, got {max_tokens}")
+    if not 0 <= max_padding_share < 1:
+        raise ValueError(f"max_padding_share must be in [0, 1), got {max_padding_share}")
     for index, length in enumerate(lengths):
         if length < 0:
             raise ValueError(f"sample {index} has a negative length {length}")
@@ -32,15 +35,16 @@ def pack_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[i
                 f"set --max-tokens-per-gpu to at least {max(lengths)}"
             )
     bins: list[list[int]] = []
-    room: list[int] = []
+    real_tokens = 0  # of the micro-batch opened last; its longest sample is its first
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        target = next((b for b, free in enumerate(room) if free >= lengths[index]), None)
-        if target is None:
-            bins.append([])
-            room.append(max_tokens)
-            target = len(bins) - 1
-        bins[target].append(index)
-        room[target] -= lengths[index]
+        if bins:
+            padded = (len(bins[-1]) + 1) * lengths[bins[-1][0]]
+            if padded <= max_tokens and padded - real_tokens - lengths[index] <= max_padding_share * padded:
+                bins[-1].append(index)
+                real_tokens += lengths[index]
+                continue
+        bins.append([index])
+        real_tokens = lengths[index]
     return sorted(sorted(members) for members in bins)
 
 

@@ -1,9 +1,12 @@
 """How a backend cuts its share of an optimizer step into micro-batches, shared by the training backends.
 
 `--micro-batch-size N` (without `--use-dynamic-batch-size`): runs of N samples. Otherwise, the default: micro-batches
-by token budget, `--max-tokens-per-gpu` or, when not given, as many tokens as the training activations of this
-model fit in a share of the device's memory (never fewer than the longest sample at hand, which always runs).
-One forward over many samples instead of one per sample is where the trainer's time goes on small models.
+of samples of similar length within a token budget, `--max-tokens-per-gpu` or, when not given, as many tokens as the
+training activations of this model fit in a share of the device's memory (never fewer than the longest sample at
+hand, which always runs). Both backends pad a micro-batch's rows to its longest sample, so the budget counts padded
+tokens (rows x longest: what the forward computes and holds) and a micro-batch keeps its padding small.
+One forward over many samples instead of one per sample is where the trainer's time goes on small models; padding
+is where it goes at long, uneven responses (a quarter of them at a 512-token cap: half the padded batch was padding).
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ from collections.abc import Sequence
 
 import torch
 
-from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_token_budget
+from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_padded_length
 from vime_engine.config import TrainConfig
 
 # Share of the device memory the training activations of one micro-batch may take; the rest holds the weights,
 # gradients, optimizer state (and, on CPU, everything else on the machine).
 ACTIVATION_MEMORY_SHARE = 0.25
+# Most of a micro-batch's padded tokens that may be padding: more wastes compute on padding, less cuts the rollout
+# into more, smaller forwards (each with its fixed cost).
+MAX_PADDING_SHARE = 0.25
 
 
 def activation_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
@@ -48,6 +54,5 @@ def plan_micro_batches(train: TrainConfig, lengths: Sequence[int], derived_budge
     """Sample indices of each micro-batch (see the module docstring); `lengths` are the samples' total tokens."""
     if train.micro_batch_size is not None and not train.use_dynamic_batch_size:
         return fixed_size_micro_batches(len(lengths), train.micro_batch_size)
-    if train.max_tokens_per_gpu is not None:
-        return pack_by_token_budget(lengths, train.max_tokens_per_gpu)
-    return pack_by_token_budget(lengths, max(derived_budget, *lengths, 1))
+    budget = train.max_tokens_per_gpu if train.max_tokens_per_gpu is not None else max(derived_budget, *lengths, 1)
+    return pack_by_padded_length(lengths, budget, MAX_PADDING_SHARE)
