@@ -6,9 +6,12 @@ the entropy) materialises several fp32 [tokens, vocab] tensors and keeps them fo
 own: the forward keeps only the logits it was given (for the backward) and the results, and the backward recomputes
 the chunk's softmax to write the logits' gradient, using
 
-    d log p(y) / d z_j = [j == y] - p_j          d H / d z_j = -p_j (log p_j + H)
+    d log p(y) / d z_j = [j == y] - p_j          d H / d z_j = -(p_j log p_j + p_j H)
 
-for z = logits / T and H = -sum_j p_j log p_j.
+for z = logits / T and H = -sum_j p_j log p_j. Each pass over a chunk's [tokens, vocab] block costs as much as
+the arithmetic on it, so the forward takes the log-probs from one logsumexp (log p(y) = z_y - logsumexp(z)) and
+the entropy from one softmax, and the backward, which the entropy reaches only when the loss uses it, does the
+log-probs' part with one softmax written over in place. `p log p` is `xlogy(p, p)`: 0 where p == 0 (logit -inf).
 """
 
 from __future__ import annotations
@@ -42,11 +45,9 @@ def token_log_probs_and_entropy(
     return log_probs, (entropy if with_entropy else None)
 
 
-def _entropy_parts(log_p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """From log_softmax rows [n, V]: log p with -inf entries zeroed, p, and the entropy [n]."""
-    p = log_p.exp()
-    finite_log_p = torch.where(torch.isfinite(log_p), log_p, torch.zeros_like(log_p))
-    return finite_log_p, p, -(p * finite_log_p).sum(dim=-1)
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    z = logits.float()
+    return z if temperature == 1.0 else z / temperature
 
 
 class _ChunkedLogSoftmax(torch.autograd.Function):
@@ -57,10 +58,11 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            log_p = torch.log_softmax(logits[start:end].float() / temperature, dim=-1)
-            log_probs[start:end] = log_p.gather(-1, tokens[start:end].unsqueeze(-1)).squeeze(-1)
+            z = _scaled(logits[start:end], temperature)
+            lse = torch.logsumexp(z, dim=-1)
+            log_probs[start:end] = z.gather(-1, tokens[start:end].unsqueeze(-1)).squeeze(-1) - lse
             if with_entropy:
-                entropy[start:end] = _entropy_parts(log_p)[2]
+                entropy[start:end] = torch.special.entr(torch.softmax(z, dim=-1)).sum(dim=-1)
         ctx.save_for_backward(logits, tokens)
         ctx.set_materialize_grads(False)  # an output the loss does not use (entropy as a metric) gets None
         ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
@@ -71,15 +73,21 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         logits, tokens = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         n = logits.shape[0]
+        entropy_grad = ctx.with_entropy and grad_entropy is not None
         for start in range(0, n, ctx.chunk):
             end = min(start + ctx.chunk, n)
-            log_p, p, entropy = _entropy_parts(torch.log_softmax(logits[start:end].float() / ctx.temperature, dim=-1))
-            grad_z = torch.zeros_like(p)
+            p = torch.softmax(_scaled(logits[start:end], ctx.temperature), dim=-1)
+            if entropy_grad:
+                p_log_p = torch.special.xlogy(p, p)
+                entropy = -p_log_p.sum(dim=-1, keepdim=True)
+                grad_z = p_log_p.add_(p * entropy).mul_(-grad_entropy[start:end].unsqueeze(-1))
+                if grad_log_probs is not None:
+                    grad_z -= grad_log_probs[start:end].unsqueeze(-1) * p
+            elif grad_log_probs is not None:
+                grad_z = p.mul_(-grad_log_probs[start:end].unsqueeze(-1))
+            else:
+                grad_z = p.zero_()
             if grad_log_probs is not None:
-                g = grad_log_probs[start:end].unsqueeze(-1)
-                grad_z -= g * p
-                grad_z.scatter_add_(-1, tokens[start:end].unsqueeze(-1), g)
-            if ctx.with_entropy and grad_entropy is not None:
-                grad_z -= grad_entropy[start:end].unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
-            grad_logits[start:end] = grad_z / ctx.temperature
+                grad_z.scatter_add_(-1, tokens[start:end].unsqueeze(-1), grad_log_probs[start:end].unsqueeze(-1))
+            grad_logits[start:end] = grad_z if ctx.temperature == 1.0 else grad_z.div_(ctx.temperature)
         return grad_logits, None, None, None, None
