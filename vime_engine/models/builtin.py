@@ -128,14 +128,26 @@ def materialize_builtin_model(name: str, dest: Path) -> Path:
         raise ValueError(f"unknown built-in model {name!r}; known: {', '.join(BUILTIN_MODELS)}")
     dest = Path(dest)
     marker = json.dumps({"builtin": name, "builder_version": BUILDER_VERSION})
-    if (dest / _COMPLETE_MARKER).is_file() and (dest / _COMPLETE_MARKER).read_text() == marker:
+
+    def complete() -> bool:
+        return (dest / _COMPLETE_MARKER).is_file() and (dest / _COMPLETE_MARKER).read_text() == marker
+
+    if complete():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}.") as tmp:
         staged = Path(tmp) / "model"
         BUILTIN_MODELS[name][1](staged)
         (staged / _COMPLETE_MARKER).write_text(marker)
+        # Another process (a run started beside this one) may have finished the same build meanwhile: keep its
+        # copy, which it may be reading; only a stale or older build is replaced.
+        if complete():
+            return dest
         if dest.exists():
             shutil.rmtree(dest)
-        staged.rename(dest)
+        try:
+            staged.rename(dest)
+        except OSError:
+            if not complete():
+                raise
     return dest
