@@ -7,7 +7,8 @@ as local processes, one per node (``spec.resource.node_count``), with the enviro
 training container: ``MA_NUM_HOSTS``, ``MA_TASK_NAME``, ``MA_CURRENT_IP``, ``MA_NUM_GPUS``, ``MA_LOG_DIR``,
 ``MA_JOB_DIR``, ``VC_TASK_INDEX``, ``VC_WORKER_NUM``, ``VC_WORKER_HOSTS`` (every host is 127.0.0.1 here), plus
 the job's own ``algorithm.environments``. Nothing of the test process's environment leaks in except
-``PATH``/``HOME``/``LANG``/``PYTHONPATH``/``VIRTUAL_ENV``/``TMPDIR``.
+``PATH``/``HOME``/``LANG``/``PYTHONPATH``/``VIRTUAL_ENV``/``TMPDIR``; a job's processes see only their own
+container's processes through psutil (tests/support/modelarts_container), so `ray stop` ends only that task's node.
 
 Phases move as on ModelArts: Creating → Pending → Running → Completed | Failed, or Terminating →
 Terminated after a stop, or Abnormal (secondary phase Lost) when the test kills a job mid-way with
@@ -41,6 +42,8 @@ from urllib.parse import parse_qsl, quote, unquote, urlparse
 import psutil
 
 _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")
+# First on every job process's PYTHONPATH: a container's view of the machine's processes (see its docstring).
+_CONTAINER_VIEW = Path(__file__).resolve().parent / "modelarts_container"
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
@@ -171,6 +174,7 @@ class ModelArtsServer:
                    MA_NUM_GPUS="0", MA_LOG_DIR=str(job.workdir / "logs"), MA_JOB_DIR=str(job.workdir),
                    VC_TASK_INDEX=str(index), VC_WORKER_NUM=str(job.node_count),
                    VC_WORKER_HOSTS=",".join(["127.0.0.1"] * job.node_count))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_CONTAINER_VIEW), env.get("PYTHONPATH")) if p)
         return env
 
     def _run(self, job: FakeJob) -> None:
