@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,45 @@ def arithmetic_data(assets_dir) -> Path:
 @pytest.fixture(scope="session")
 def aime_data(assets_dir) -> Path:
     return materialize_builtin_dataset("aime-synthetic", assets_dir / "datasets")
+
+
+
+
+# `VIMEFLOW_TEST_WORKERS=N scripts/test` runs the suite on N pytest-xdist workers (CI runs it on one: see the
+# README). Tests that share a module- or session-scoped run must land on one worker, or each worker makes that run
+# again: a module's tests go together, and so do the end-to-end modules (one Prefect server, its deployments and
+# one pipeline run) and the multi-node modules (one multi-node cluster, tests/support/multinode.py). The heaviest
+# groups go first, so that the last group to start is a short one and the workers finish together.
+HEAVIEST_FIRST = ("tests/e2e/", "tests/component/test_resume.py")
+
+
+def worker_group(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    if path.startswith("tests/e2e/"):
+        return "tests/e2e"
+    if path.endswith("_multinode.py"):
+        return "multinode"
+    return path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkerGroup(LoadScopeScheduling):
+        """Scopes in collection order (see pytest_collection_modifyitems), one per `worker_group`."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return ByWorkerGroup(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: the collection's order
+
+    def rank(item: pytest.Item) -> int:
+        return next((i for i, prefix in enumerate(HEAVIEST_FIRST) if item.nodeid.startswith(prefix)),
+                    len(HEAVIEST_FIRST))
+
+    items.sort(key=rank)  # stable: collection order within a rank
