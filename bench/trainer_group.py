@@ -1,9 +1,11 @@
-"""Trainer group: bring-up time and seconds per `train_rollout` with 1 and 2 data-parallel ranks (torch, gloo).
+"""Trainer group: bring-up time, seconds per `train_rollout` and per full-weights gather (what a weight sync
+reads) with 1 and 2 data-parallel ranks, DDP (`--train-backend torch`) and FSDP2 (`fsdp`), on gloo.
 
 The same synthetic rollout (8 prompts × 8 samples, prompts 16–48 and responses 8–64 tokens, tiny Qwen3) is
 trained by a trainer group of one rank and of two, side by side in one run; each row is the median of
 `--repeat` rollouts after one warm-up. On a 2-core machine two ranks share the two cores with nothing else, so
-the ratio shows the cost of the all-reduce and the split work, not a scaling figure for real devices.
+the ratio shows the cost of the all-reduce and the split work, not a scaling figure for real devices. One rank
+is the same run on either backend, so it runs once.
 
     .venv/bin/python bench/trainer_group.py
     .venv/bin/python bench/trainer_group.py --ranks 1 2 --repeat 5 --model smollm2-135m-instruct
@@ -52,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-qwen3")
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--backends", nargs="+", default=["torch", "fsdp"], choices=["torch", "fsdp"])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/vf_bench"))
     args = parser.parse_args()
@@ -59,11 +62,12 @@ def main() -> None:
     model = materialize_builtin_model(args.model, args.cache / args.model)
     rows = {}
     with ray_cluster(num_cpus=max(4, max(args.ranks) + 1)):
-        for ranks in args.ranks:
+        for backend, ranks in [(b, r) for b in args.backends for r in args.ranks
+                               if r > 1 or b == args.backends[0]]:
             cfg = build_config([], **{
                 "hf-checkpoint": str(model), "prompt-data": "unused", "rollout-batch-size": 8,
                 "n-samples-per-prompt": 8, "global-batch-size": 32, "micro-batch-size": 4, "lr": 1e-5,
-                "actor-num-gpus-per-node": ranks,
+                "actor-num-gpus-per-node": ranks, "train-backend": backend,
             })
             start = time.perf_counter()
             group = TrainerGroup(cfg, CPU)
@@ -77,10 +81,16 @@ def main() -> None:
                 start = time.perf_counter()
                 group.train(samples)
                 times.append(time.perf_counter() - start)
-            rows[ranks] = statistics.median(times)
-            print(f"{args.model:24s} ranks {ranks}  bring-up {bring_up:6.1f} s  train_rollout {rows[ranks]:7.3f} s"
-                  + (f"  ({rows[ranks] / rows[args.ranks[0]]:.2f}x of {args.ranks[0]} rank)"
-                     if ranks != args.ranks[0] else ""), flush=True)
+            gathers = []
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                group.weights()
+                gathers.append(time.perf_counter() - start)
+            rows[backend, ranks] = statistics.median(times)
+            first = rows[args.backends[0], args.ranks[0]]
+            print(f"{args.model:24s} {backend:5s} ranks {ranks}  bring-up {bring_up:6.1f} s  train_rollout "
+                  f"{rows[backend, ranks]:7.3f} s ({rows[backend, ranks] / first:.2f}x of the first row)  "
+                  f"weights gathered {statistics.median(gathers):6.3f} s", flush=True)
             group.shutdown()
 
 

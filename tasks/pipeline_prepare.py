@@ -63,12 +63,12 @@ class TrainableModel:
 @task(name="convert_checkpoint")
 def convert_checkpoint(model: StagedAsset, train_backend: str, storage_root: str, convert: bool = True
                        ) -> TrainableModel:
-    """HF → the backend's format. The torch backend trains HF weights as they are (GGUF sources such as the
-    built-in SmolLM2 were already dequantised to HF safetensors by staging). Megatron starts from a torch_dist
+    """HF → the backend's format. The torch and fsdp backends train HF weights as they are (GGUF sources such as
+    the built-in SmolLM2 were already dequantised to HF safetensors by staging). Megatron starts from a torch_dist
     checkpoint converted once and verified by a round trip, or with `convert` off, reads the HF weights itself
     (the engine's HF mapping) in every chunk that starts without a checkpoint."""
-    if train_backend == "torch":
-        return TrainableModel(model.uri, model.manifest_hash, "torch", model)
+    if train_backend in ("torch", "fsdp"):
+        return TrainableModel(model.uri, model.manifest_hash, train_backend, model)
     if train_backend == "megatron":
         if not convert:
             require_megatron()

@@ -75,12 +75,11 @@ def _check_parallel_layout(cfg: EngineConfig) -> None:
     p, t = cfg.placement, cfg.train
     world = cfg.trainer_world_size
     ranks = f"--actor-num-nodes {p.actor_num_nodes} × --actor-num-gpus-per-node {p.actor_num_gpus_per_node} = {world}"
-    if t.train_backend == "torch":
+    if t.train_backend != "megatron":
         parallel = [f"--{f} {cfg.megatron[f]}" for f in PARALLEL_FLAGS if cfg.megatron.get(f, 1) not in (1, None)]
         if parallel:
-            raise ConfigError(
-                f"{', '.join(parallel)} need --train-backend megatron (the torch backend is data parallel only)"
-            )
+            raise ConfigError(f"{', '.join(parallel)} need --train-backend megatron (the {t.train_backend} backend "
+                              "is data parallel only)")
     model_parallel = cfg.model_parallel_size
     if world % model_parallel:
         raise ConfigError(

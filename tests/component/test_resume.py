@@ -209,8 +209,11 @@ PARTIAL = {"partial-rollout": True, "rollout-batch-size": 2, "over-sampling-batc
            "rollout-max-response-len": 32, "vllm-max-model-len": 88}
 
 
-def test_two_data_parallel_ranks_resume_bit_identical_and_their_checkpoint_loads_on_one(tmp_path_factory, base_config):
-    dp2 = {"actor-num-gpus-per-node": 2}
+# FSDP2 (`--train-backend fsdp`): each rank holds a shard of the weights and Adam moments, gathered into whole
+# tensors for the checkpoint and cut again on resume, by two ranks or (the last part) by one.
+def test_two_sharded_data_parallel_ranks_resume_bit_identical_and_their_checkpoint_loads_on_one(
+        tmp_path_factory, base_config):
+    dp2 = {"actor-num-gpus-per-node": 2, "train-backend": "fsdp"}
     reference_dir = tmp_path_factory.mktemp("dp2-reference")
     assert _run(_write_config(reference_dir, base_config, **dp2)) == 0
     ref_weights, ref_history = _final(reference_dir)
@@ -218,7 +221,7 @@ def test_two_data_parallel_ranks_resume_bit_identical_and_their_checkpoint_loads
     run_dir = tmp_path_factory.mktemp("dp2-killed")
     config = _write_config(run_dir, base_config, **dp2)
     # A rank killed in its 3rd optimizer step: rollout 1's first (two steps a rollout); the other rank waits in
-    # the gradient all-reduce until the whole run is taken down.
+    # its next collective until the whole run is taken down.
     _run(config, fault="torch.optim.adamw:AdamW.step:3")
     assert find_latest(run_dir / "ckpt").rollout_id == 0
     assert _run(config) == 0

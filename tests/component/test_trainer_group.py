@@ -14,6 +14,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
+from vime_engine.checkpoint import CheckpointRef
 from vime_engine.config import ConfigError, build_config
 from vime_engine.runtime.devices import CPU
 from vime_engine.runtime.driver import train
@@ -39,9 +40,9 @@ def _config(inputs, name: str, **flags):
     })
 
 
-def _train(inputs, name: str, **flags) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def _train(inputs, name: str, **flags) -> tuple[list[dict], dict[str, torch.Tensor], CheckpointRef]:
     result = train(_config(inputs, name, **flags))
-    return result.history, load_file(result.checkpoint.path / "model.safetensors")
+    return result.history, load_file(result.checkpoint.path / "model.safetensors"), result.checkpoint
 
 
 def test_ranks_get_their_rendezvous_environment(inputs, cluster):
@@ -67,14 +68,34 @@ def test_more_nodes_than_the_cluster_has_fail_naming_the_flags(inputs, cluster):
 # With one sample per micro-batch both runs compute the same per-sample shapes and only the cross-rank sum
 # differs; with a token budget the ranks pack other micro-batches than one rank does (other padding, other matmul
 # shapes), so a smaller lr keeps the rounding's effect under the tolerance.
-@pytest.mark.parametrize("batching", [
-    {"micro-batch-size": 1, "lr": 1e-3},
-    {"use-dynamic-batch-size": True, "max-tokens-per-gpu": 96, "lr": 1e-4},
-], ids=["micro-batches", "token-budget"])
-def test_two_data_parallel_ranks_update_like_one(inputs, cluster, batching):
+# FSDP2 (`--train-backend fsdp`) with a token budget: the ranks' shares pack into different numbers of
+# micro-batches, and every sharded forward and backward is a collective, so the ranks even them out.
+TOKEN_BUDGET = {"use-dynamic-batch-size": True, "max-tokens-per-gpu": 96, "lr": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(inputs) -> dict:
+    """One rank's run per batching, shared by the two-rank variants it is compared with."""
+    runs: dict = {}
+
+    def run(batching: dict) -> tuple[list[dict], dict[str, torch.Tensor], CheckpointRef]:
+        key = tuple(sorted(batching.items()))
+        if key not in runs:
+            runs[key] = _train(inputs, "dp1-" + "-".join(f"{k}{v}" for k, v in batching.items()), **batching)
+        return runs[key]
+
+    return run
+
+
+@pytest.mark.parametrize("backend, batching", [
+    ("torch", {"micro-batch-size": 1, "lr": 1e-3}),
+    ("torch", TOKEN_BUDGET),
+    ("fsdp", TOKEN_BUDGET),
+], ids=["micro-batches", "token-budget", "fsdp-token-budget"])
+def test_two_data_parallel_ranks_update_like_one(inputs, cluster, one_rank_runs, backend, batching):
     name = "-".join(f"{k}{v}" for k, v in batching.items())
-    one_history, one = _train(inputs, f"dp1-{name}", **batching)
-    two_history, two = _train(inputs, f"dp2-{name}", **DP2, **batching)
+    one_history, one, _ = one_rank_runs(batching)
+    two_history, two, _ = _train(inputs, f"dp2-{backend}-{name}", **DP2, **batching, **{"train-backend": backend})
     initial = load_file(inputs[0] / "model.safetensors")
     assert one.keys() == two.keys()
     moved = max((one[k] - initial[k]).abs().max().item() for k in one if k in initial)
@@ -86,3 +107,32 @@ def test_two_data_parallel_ranks_update_like_one(inputs, cluster, batching):
         assert two_history[0][key] == pytest.approx(one_history[0][key], rel=1e-4, abs=1e-6), key
     # The gathered log-probs of the two ranks' shares are exactly those vLLM sampled with.
     assert two_history[0]["train/train_rollout_logprob_abs_diff"] <= 1e-5
+
+
+def test_sharded_ranks_hold_half_the_state_and_load_and_save_one_ranks_checkpoint_unchanged(
+        inputs, cluster, one_rank_runs, tmp_path):
+    *_, saved = one_rank_runs(TOKEN_BUDGET)  # a one-rank checkpoint with Adam's moments
+    group = TrainerGroup(_config(inputs, "fsdp-state", **DP2, **{"train-backend": "fsdp"}), CPU)
+    group.load_state(str(saved.path), saved.manifest.files)
+
+    def held(backend) -> tuple[int, int, int]:
+        from torch.distributed.tensor import DTensor
+
+        params = list(backend.model.parameters())
+        moments = [t for state in backend.optimizer.state.values() for t in state.values() if t.dim() > 0]
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        return (sum(isinstance(p, DTensor) for p in params) - len(params),
+                sum(local(p).numel() for p in params), sum(local(t).numel() for t in moments))
+
+    (not_sharded0, params0, moments0), (not_sharded1, params1, moments1) = ray.get(
+        [rank.__ray_call__.remote(lambda self: held(self.backend)) for rank in group.ranks])
+    total = sum(t.numel() for t in load_file(saved.path / "model.safetensors").values())
+    assert not_sharded0 == not_sharded1 == 0
+    assert params0 + params1 == total and abs(params0 - params1) <= 0.01 * total  # each rank a half
+    assert moments0 + moments1 == 2 * total  # Adam's two moments, sharded like their parameters
+
+    group.save_state(str(tmp_path))  # gathered back into whole tensors
+    group.shutdown()
+    for name in ("model.safetensors", "trainer.safetensors"):
+        before, after = load_file(saved.path / name), load_file(tmp_path / name)
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), name

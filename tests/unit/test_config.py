@@ -126,3 +126,11 @@ def test_math_hash_ignores_run_length_but_not_the_learning_rate():
     assert changed.math_diff(base.math_fields()) == ["--lr: 1e-06 -> 0.001"]
     decaying = base.with_overrides(lr_decay_style="cosine")  # the run length now shapes the LR schedule
     assert decaying.with_overrides(num_rollout=40).math_hash() != decaying.math_hash()
+
+
+def test_math_hash_ignores_the_data_parallel_layout_but_not_the_backend_family():
+    base = from_flat({**REQUIRED, "num-rollout": 4})
+    sharded = base.with_overrides(train_backend="fsdp", actor_num_gpus_per_node=2)
+    assert sharded.math_hash() == base.math_hash() and sharded.math_diff(base.math_fields()) == []
+    assert base.with_overrides(train_backend="megatron").math_diff(base.math_fields()) == [
+        "--train-backend: 'torch' -> 'megatron'"]

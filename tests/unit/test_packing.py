@@ -6,7 +6,12 @@ import random
 
 import pytest
 
-from vime_engine.algorithms.packing import balanced_shares, fixed_size_micro_batches, pack_by_padded_length
+from vime_engine.algorithms.packing import (
+    balanced_shares,
+    fixed_size_micro_batches,
+    pack_by_padded_length,
+    split_to_count,
+)
 
 
 def test_similar_lengths_go_together_by_hand() -> None:
@@ -95,3 +100,26 @@ def test_balanced_shares_invariants():
         sizes = [len(share) for share in shares]
         assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
         assert all(share == sorted(share) for share in shares)
+
+
+def test_split_to_count_halves_the_fullest_micro_batch_then_adds_empty_ones_by_hand() -> None:
+    assert split_to_count([[0, 1, 2], [3]], 2) == [[0, 1, 2], [3]]
+    assert split_to_count([[0, 1, 2], [3]], 3) == [[0, 1], [2], [3]]
+    assert split_to_count([[0, 1, 2], [3]], 4) == [[0], [1], [2], [3]]
+    assert split_to_count([[0, 1, 2], [3]], 6) == [[0], [1], [2], [3], [], []]
+    assert split_to_count([], 2) == [[], []]
+    with pytest.raises(ValueError, match="cannot make 2 micro-batches into 1"):
+        split_to_count([[0], [1]], 1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_split_to_count_keeps_every_index_in_order_and_grows_no_micro_batch(seed: int) -> None:
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 300) for _ in range(rng.randint(0, 24))]
+    plan = pack_by_padded_length(lengths, 600, 0.25)
+    count = len(plan) + rng.randint(0, 10)
+    split = split_to_count(plan, count)
+    assert len(split) == count
+    assert [i for mb in split for i in mb] == [i for mb in plan for i in mb]
+    assert max((len(mb) for mb in split), default=0) <= max((len(mb) for mb in plan), default=0)
+    assert all(any(set(mb) <= set(whole) for whole in plan) for mb in split if mb)

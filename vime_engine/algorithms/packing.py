@@ -62,6 +62,27 @@ def fixed_size_micro_batches(num_samples: int, micro_batch_size: int) -> list[li
             for start in range(0, num_samples, micro_batch_size)]
 
 
+def split_to_count(micro_batches: Sequence[Sequence[int]], count: int) -> list[list[int]]:
+    """`micro_batches` made exactly `count` (sharded data parallel runs each forward and backward as a collective,
+    so every rank needs the same number): the micro-batch with the most samples is halved while one holds two or
+    more, then empty micro-batches make up the rest. A half holds a subset of its micro-batch's samples, so it
+    fits any token budget the whole did.
+
+    Invariants: every index stays, in its order; no micro-batch grows.
+    """
+    out = [list(mb) for mb in micro_batches]
+    if count < len(out):
+        raise ValueError(f"cannot make {len(out)} micro-batches into {count}")
+    while len(out) < count:
+        largest = max(range(len(out)), key=lambda i: len(out[i]), default=None)
+        if largest is None or len(out[largest]) < 2:
+            break
+        mb = out.pop(largest)
+        half = (len(mb) + 1) // 2
+        out[largest:largest] = [mb[:half], mb[half:]]
+    return out + [[] for _ in range(count - len(out))]
+
+
 def balanced_shares(lengths: Sequence[int], num_shares: int) -> list[list[int]]:
     """Split sample indices into `num_shares` shares of equal count with totals of tokens as even as the counts
     allow (`--balance-data`: each data-parallel rank's share of an optimizer step).

@@ -122,7 +122,12 @@ class EngineConfig(BaseModel):
     def math_fields(self) -> dict[str, Any]:
         """The fields that change the trained weights; a checkpoint resumes only under equal values."""
         skip = self._non_math_fields()
-        return {k: v for k, v in self.flat().items() if k not in skip}
+        fields = {k: v for k, v in self.flat().items() if k not in skip}
+        # fsdp trains the torch backend's model with its loss; only where the state lives differs (as with the
+        # number of ranks), and its checkpoints hold the same whole tensors.
+        if fields["train_backend"] == "fsdp":
+            fields["train_backend"] = "torch"
+        return fields
 
     def math_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.math_fields(), sort_keys=True, default=str).encode()).hexdigest()

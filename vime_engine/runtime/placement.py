@@ -22,13 +22,13 @@ PLACEMENT_TIMEOUT_S = 120
 
 
 def colocate_by_default(cfg: EngineConfig, device_kind: str) -> bool:
-    """What `--colocate auto` decides: rank i and engine i in one actor on a CPU run of one node with the torch
-    backend (bench/step_time.py: SmolLM2 in 0.74x the time per rollout of the disaggregated placement, the sync in
-    process instead of through the object store), unless a flag needs the engine on an actor of its own. On
+    """What `--colocate auto` decides: rank i and engine i in one actor on a CPU run of one node with the torch or
+    fsdp backend (bench/step_time.py: SmolLM2 in 0.74x the time per rollout of the disaggregated placement, the
+    sync in process instead of through the object store), unless a flag needs the engine on an actor of its own. On
     accelerators the two would share a device's memory, which our engines do not hand back between rollouts."""
     p, r = cfg.placement, cfg.rollout
     return (device_kind == "cpu" and p.ray_address is None and p.actor_num_nodes == 1
-            and cfg.train.train_backend == "torch" and p.weight_sync == "object_store"
+            and cfg.train.train_backend != "megatron" and p.weight_sync == "object_store"
             and not p.async_rollout and not r.use_fault_tolerance
             and r.rollout_num_gpus in (None, cfg.trainer_world_size) and r.rollout_num_gpus_per_engine == 1)
 

@@ -2,8 +2,8 @@
 
 Samples are dealt round-robin: rank r of N takes indices r, r+N, r+2N, … of any list it is given (a rollout or
 one optimizer step), or, with `--balance-data`, an optimizer step's samples are split into equal counts with even
-token totals (vime_engine.algorithms.packing.balanced_shares). Every rank holds the whole rollout, so each rank knows every other rank's share and the
-length of each piece without asking; gathers only move the tensors.
+token totals (vime_engine.algorithms.packing.balanced_shares). Every rank holds the whole rollout, so each rank
+knows every other rank's share and the length of each piece without asking; gathers only move the tensors.
 
 Invariant: `gather_per_sample(x_r)` on every rank returns what a single rank computing all samples would have
 produced, in rollout order; `sum_metrics` turns per-rank shares of a metric into the global value.
@@ -64,6 +64,14 @@ class DataParallel:
             for i, piece in zip(share, torch.split(flat[:size], [lengths[i] for i in share])):
                 pieces[i] = piece
         return torch.cat(pieces) if pieces else local
+
+    def max_over_ranks(self, value: int) -> int:
+        """The largest of the ranks' `value`s, on every rank."""
+        if self.size == 1:
+            return value
+        largest = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return int(largest.item())
 
     def sum_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Each metric summed over ranks (every rank passes the same keys)."""

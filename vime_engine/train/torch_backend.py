@@ -1,12 +1,14 @@
 """Training backend `torch`: an HF transformers causal LM with a torch AdamW optimizer (vime_engine.train.backend).
 
-Data parallel over the trainer group's ranks with torch's DistributedDataParallel (gloo on CPU, nccl on CUDA,
-hccl on Ascend): every rank holds the whole model and optimizer state and trains its round-robin share of each
-optimizer step (vime_engine.train.data_parallel). The loss keeps the step's global denominators and is scaled by
-the world size (DDP averages gradients), so the summed gradient, and the update, do not depend on the number of
-ranks. The per-token log-probs before training, when a rollout needs them (several optimizer steps), are computed
-on each rank's share and gathered. Every rank's state is the same, so rank 0 alone writes checkpoints and any
-number of ranks can load them.
+Data parallel over the trainer group's ranks (gloo on CPU, nccl on CUDA, hccl on Ascend), each rank training its
+round-robin share of each optimizer step (vime_engine.train.data_parallel): with `--train-backend torch` through
+torch's DistributedDataParallel (every rank holds the whole model and optimizer state), with `--train-backend fsdp`
+through FSDP2 (vime_engine.train.sharding: each rank holds a shard of the parameters, gradients and optimizer
+state, and every forward and backward is a collective, so the ranks run equally many). The loss keeps the step's
+global denominators and is scaled by the world size (both average gradients), so the summed gradient, and the
+update, do not depend on the number of ranks. The per-token log-probs before training, when a rollout needs them
+(several optimizer steps), are computed on each rank's share and gathered. Checkpoints hold whole tensors, which
+rank 0 writes, so any number of ranks, sharded or not, can load them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from vime_engine.algorithms.lr_schedule import LRSchedule
+from vime_engine.algorithms.packing import split_to_count
 from vime_engine.algorithms.token_log_probs import token_log_probs_and_entropy
 from vime_engine.config import EngineConfig
 from vime_engine.manifest import FileEntry, read_verified
@@ -29,6 +32,7 @@ from vime_engine.tensor_files import join_tensors, read_tensors, split_tensors, 
 from vime_engine.train.data_parallel import DataParallel
 from vime_engine.train.micro_batches import derived_max_tokens, plan_micro_batches
 from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference
+from vime_engine.train.sharding import gathered, shard_model, sharded_like, sharded_optimizer_state, whole
 from vime_engine.train.rollout_batch import (
     RolloutBatch,
     build_rollout_batch,
@@ -78,15 +82,16 @@ class TorchTrainBackend:
             self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, torch_dtype=dtype).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         self.critic = None
-        params = list(self.model.parameters())
         if cfg.algorithm.advantage_estimator == "ppo":
             self.critic = ValueHead(cfg.model.hf_checkpoint, dtype).to(self.device)
-            params += list(self.critic.parameters())
         t = cfg.train
         self.dp = DataParallel.from_default_group(str(self.device))
-        # The modules the training forward runs through: DDP wrappers over the same parameters when data parallel.
-        self.train_model = _data_parallel(self.model, self.dp)
-        self.train_critic = _data_parallel(self.critic, self.dp) if self.critic is not None else None
+        self.sharded = t.train_backend == "fsdp" and self.dp.size > 1
+        # The modules the training forward runs through: DDP wrappers over the same parameters, or the modules
+        # themselves sharded in place (their parameters become shards: the optimizer is made after).
+        self.train_model = self._data_parallel(self.model)
+        self.train_critic = self._data_parallel(self.critic) if self.critic is not None else None
+        params = list(self.model.parameters()) + (list(self.critic.parameters()) if self.critic is not None else [])
         optimizer_class = OPTIMIZERS[t.optimizer]
         self.optimizer = optimizer_class(
             params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
@@ -129,6 +134,9 @@ class TorchTrainBackend:
         mine = [samples[i] for i in self.dp.share(list(range(len(samples))))]
         pieces: dict[int, Tensor] = {}
         for mb in self._micro_batches(mine):  # packed micro-batches are not in sample order: put each piece back
+            if not mb:  # this rank's share ran out; the others' sharded forwards still need it
+                fn(samples[:1])
+                continue
             flat = fn([mine[i] for i in mb])
             pieces.update(zip(mb, torch.split(flat, [mine[i].response_length for i in mb])))
         local = torch.cat([pieces[i] for i in range(len(mine))])
@@ -139,7 +147,9 @@ class TorchTrainBackend:
         return self._batched(lambda mb: self._forward(self.model, mb, with_entropy=False)[0], samples)
 
     def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        return plan_micro_batches(self.cfg.train, [s.total_length for s in samples], self.derived_max_tokens)
+        """The micro-batches of this rank's `samples`; sharded, as many on every rank (some maybe empty)."""
+        plan = plan_micro_batches(self.cfg.train, [s.total_length for s in samples], self.derived_max_tokens)
+        return split_to_count(plan, self.dp.max_over_ranks(len(plan))) if self.sharded else plan
 
     # -- one rollout's training ---------------------------------------------------------------------------------
     def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
@@ -167,33 +177,48 @@ class TorchTrainBackend:
         self.optimizer.zero_grad(set_to_none=True)
         micro_batches = self._micro_batches(local_samples)
         for n, mb in enumerate(micro_batches):
-            mb_samples = [local_samples[i] for i in mb]
-            # Gradients are all-reduced once, in the step's last backward; earlier ones only accumulate.
+            # Gradients are reduced once, in the step's last backward; earlier ones only accumulate.
             with self._no_grad_sync(last=n == len(micro_batches) - 1):
+                if not mb:  # this rank's share ran out: it joins the others' sharded passes, adding nothing
+                    self._zero_backward(samples[step[0]])
+                    continue
+                mb_samples = [local_samples[i] for i in mb]
                 log_probs, entropy = self._forward(self.train_model, mb_samples, with_entropy=True)
                 values = self._values(mb_samples, self.train_critic) if self.critic is not None else None
                 loss, mb_metrics = micro_batch_loss(
                     self.cfg, MicroBatchOutputs(log_probs, entropy, values), rollout.targets([local[i] for i in mb]),
                     global_tokens, global_samples,
                 )
-                (loss * self.dp.size).backward()  # DDP averages over ranks; the global denominators already did
+                (loss * self.dp.size).backward()  # gradients are averaged over ranks; the global denominators did
             for key, value in mb_metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + value
         metrics = self.dp.sum_metrics(metrics)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         max_norm = self.cfg.train.clip_grad if self.cfg.train.clip_grad > 0 else math.inf
-        metrics["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        metrics["train/grad_norm"] = whole(torch.nn.utils.clip_grad_norm_(params, max_norm)).item()
         self.optimizer.step()
         self.scheduler.step()
         return metrics
 
-    def _no_grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        if not last:
-            for module in (self.train_model, self.train_critic):
+    def _zero_backward(self, stand_in: Sample) -> None:
+        """A forward and backward through every trained module whose gradient is zero."""
+        log_probs, _ = self._forward(self.train_model, [stand_in], with_entropy=False)
+        loss = log_probs.sum()
+        if self.critic is not None:
+            loss = loss + self._values([stand_in], self.train_critic).sum()
+        (loss * 0.0).backward()
+
+    @contextlib.contextmanager
+    def _no_grad_sync(self, last: bool) -> Iterator[None]:
+        modules = [m for m in (self.train_model, self.train_critic) if m is not None]
+        with contextlib.ExitStack() as stack:
+            for module in modules if not last else []:
                 if isinstance(module, nn.parallel.DistributedDataParallel):
                     stack.enter_context(module.no_sync())
-        return stack
+                elif self.sharded:
+                    module.set_requires_gradient_sync(False)
+                    stack.callback(module.set_requires_gradient_sync, True)
+            yield
 
     # -- weights out --------------------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
@@ -202,15 +227,16 @@ class TorchTrainBackend:
         if "lm_head.weight" not in state:
             state["lm_head.weight"] = self.model.get_output_embeddings().weight
         for name, tensor in state.items():
-            yield name, tensor.detach()
+            yield name, whole(tensor).detach()
 
     def save_hf(self, directory: str | Path, tokenizer_from: str | None = None) -> Path:
         from transformers import AutoTokenizer
 
         directory = Path(directory)
-        if self.dp.rank != 0:  # every rank holds the same weights
+        weights = self._whole_state(self.model)
+        if self.dp.rank != 0:
             return directory
-        self.model.save_pretrained(directory, safe_serialization=True)
+        self.model.save_pretrained(directory, state_dict=weights, safe_serialization=True)
         AutoTokenizer.from_pretrained(tokenizer_from or self.cfg.model.hf_checkpoint).save_pretrained(directory)
         return directory
 
@@ -219,15 +245,17 @@ class TorchTrainBackend:
         """Weights and the optimizer/critic tensors as safetensors, the small rest (param groups, scheduler, RNG)
         pickled beside them; returns the digests computed while writing, so the manifest needs no re-read."""
         directory = Path(directory)
-        if self.dp.rank != 0:  # every rank holds the same state
-            return {}
-        skeleton, tensors = split_tensors({
-            "optimizer": self.optimizer.state_dict(),
+        weights = self._whole_state(self.model)
+        trainer = {
+            "optimizer": gathered(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
-            "critic": self.critic.state_dict() if self.critic is not None else None,
-        })
+            "critic": self._whole_state(self.critic) if self.critic is not None else None,
+        }
+        if self.dp.rank != 0:  # rank 0 holds the whole state now
+            return {}
+        skeleton, tensors = split_tensors(trainer)
         digests = {
-            MODEL_FILE: write_tensors(directory / MODEL_FILE, _unaliased(self.model.state_dict()), {"format": "pt"}),
+            MODEL_FILE: write_tensors(directory / MODEL_FILE, weights, {"format": "pt"}),
             TRAINER_TENSORS_FILE: write_tensors(directory / TRAINER_TENSORS_FILE, tensors),
         }
         torch.save({"skeleton": skeleton, "rng": capture_rng_state()}, directory / TRAINER_STATE_FILE)
@@ -240,41 +268,49 @@ class TorchTrainBackend:
         tensors = read_tensors(directory / TRAINER_TENSORS_FILE, expected[TRAINER_TENSORS_FILE])
         rest = torch.load(io.BytesIO(read_verified(directory / TRAINER_STATE_FILE, expected[TRAINER_STATE_FILE])),
                           weights_only=False)
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        if unexpected or set(missing) - set(_aliases(self.model.state_dict())):
+        missing, unexpected = self.model.load_state_dict(self._sharded_like(self.model, weights), strict=False)
+        if unexpected or set(missing) - _tied_names(self.model):
             # Not a corrupt file (those fail their sha256 above): a checkpoint of another model. Stop, do not
             # fall back to an older checkpoint of that same other model.
             raise RuntimeError(f"{directory / MODEL_FILE}: does not hold this model's weights "
                                f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         state = join_tensors(rest["skeleton"], tensors)
-        self.optimizer.load_state_dict(state["optimizer"])
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.optimizer.load_state_dict(sharded_optimizer_state(state["optimizer"], params))
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
+            self.critic.load_state_dict(self._sharded_like(self.critic, state["critic"]))
         restore_rng_state(rest["rng"])
 
+    # -- layouts ------------------------------------------------------------------------------------------------
+    def _data_parallel(self, module: nn.Module) -> nn.Module:
+        if self.dp.size == 1:
+            return module
+        if self.sharded:
+            return shard_model(module, self.device.type, self.dp.size)
+        return nn.parallel.DistributedDataParallel(module)
 
-def _data_parallel(module: nn.Module, dp: DataParallel) -> nn.Module:
-    if dp.size == 1:
-        return module
-    return nn.parallel.DistributedDataParallel(module)
+    @staticmethod
+    def _whole_state(module: nn.Module) -> dict[str, Tensor]:
+        """`module`'s weights as whole tensors (collective when sharded), each tied weight once."""
+        tied = _tied_names(module)
+        return {name: whole(t) for name, t in module.state_dict().items() if name not in tied}
+
+    @staticmethod
+    def _sharded_like(module: nn.Module, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+        local = module.state_dict()
+        return {name: sharded_like(t, local[name]) if name in local else t for name, t in weights.items()}
 
 
-def _aliases(state: dict[str, Tensor]) -> list[str]:
-    """Names whose tensor is the same storage as an earlier name's (tied embeddings): saved once."""
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    aliases = []
-    for name, t in state.items():
-        key = (t.data_ptr(), tuple(t.shape))
-        if key in seen:
-            aliases.append(name)
-        seen.add(key)
-    return aliases
-
-
-def _unaliased(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    drop = set(_aliases(state))
-    return {k: v for k, v in state.items() if k not in drop}
+def _tied_names(module: nn.Module) -> set[str]:
+    """Names of parameters that are an earlier name's parameter (tied embeddings): saved once."""
+    first: dict[int, str] = {}
+    tied = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied.add(name)
+        first.setdefault(id(param), name)
+    return tied
 
 
 def capture_rng_state() -> dict:
