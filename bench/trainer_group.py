@@ -9,11 +9,13 @@ is the same run on either backend, so it runs once.
 
     .venv/bin/python bench/trainer_group.py
     .venv/bin/python bench/trainer_group.py --ranks 1 2 --repeat 5 --model smollm2-135m-instruct
+    .venv/bin/python bench/trainer_group.py --model smollm2-135m-instruct --weights-only   # no training
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -55,6 +57,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-qwen3")
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--backends", nargs="+", default=["torch", "fsdp"], choices=["torch", "fsdp"])
+    parser.add_argument("--weights-only", action="store_true", help="time bring-up and the weights' gather only")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/vf_bench"))
     args = parser.parse_args()
@@ -73,11 +76,13 @@ def main() -> None:
             group = TrainerGroup(cfg, CPU)
             ray.get([rank.__ray_ready__.remote() for rank in group.ranks])
             bring_up = time.perf_counter() - start
-            vocab = ray.get(group.leader.__ray_call__.remote(lambda self: self.backend.model.config.vocab_size))
-            samples = synthetic_rollout(group, vocab, 8, 8)
-            group.train(samples)  # warm-up
-            times = []
-            for _ in range(args.repeat):
+            times = [math.nan]
+            if not args.weights_only:
+                vocab = ray.get(group.leader.__ray_call__.remote(lambda self: self.backend.model.config.vocab_size))
+                samples = synthetic_rollout(group, vocab, 8, 8)
+                group.train(samples)  # warm-up
+                times = []
+            for _ in range(0 if args.weights_only else args.repeat):
                 start = time.perf_counter()
                 group.train(samples)
                 times.append(time.perf_counter() - start)
