@@ -50,6 +50,7 @@ def worker_group(nodeid: str) -> str:
     return path
 
 
+@pytest.hookimpl(optionalhook=True)  # the Megatron lane has no xdist
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from flows.deploy import STOP_GRACE_S
-from tests.support.prefect_server import free_port
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 AUTH = "vimeflow:test-only-Hq3v8"

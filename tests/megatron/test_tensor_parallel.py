@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,19 +10,14 @@ from pathlib import Path
 import torch
 
 from tests.megatron.helpers import fixed_rollout, tiny_config
+from tests.support.ports import free_port
 from vime_engine.train.megatron_backend import MegatronTrainBackend
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp2_matches_tp1(tiny_qwen3, tmp_path):
-    out, port = tmp_path / "tp2.pt", _free_port()
+    out, port = tmp_path / "tp2.pt", free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     ranks = [
         subprocess.Popen(

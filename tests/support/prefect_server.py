@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.support.ports import free_port
 
 
 # Between tries on a 503: about half a minute in all, as Prefect's client allows by default.
@@ -47,12 +48,6 @@ class PrefectAPI:
             if response.status_code != 503 or delay is None:
                 return response
             time.sleep(delay)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,6 @@ import hashlib
 import io
 import json
 import shutil
-import socket
 import subprocess
 import tarfile
 import threading
@@ -40,6 +39,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import NameOID
 
+from tests.support.ports import free_port
+
 USER = "vimeflow-ci"
 PASSWORD = "s3cret-registry-pw"
 # bcrypt of PASSWORD (cost 4, fixed salt): made once with crypt(3), so tests need no bcrypt package.
@@ -51,12 +52,6 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 OCI_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _b64url(data: bytes) -> str:

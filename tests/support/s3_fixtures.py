@@ -80,7 +80,7 @@ def moto_with_iam() -> Iterator[CheckedS3]:
     users (403 SignatureDoesNotMatch, InvalidAccessKeyId). moto reads INITIAL_NO_AUTH_ACTION_COUNT when it is
     imported, so this one runs in its own process; the count lets the three calls that make its only user
     through unsigned."""
-    from tests.support.prefect_server import free_port
+    from tests.support.ports import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", url.rsplit(":", 1)[1]],
