@@ -15,7 +15,6 @@ is the same run on either backend, so it runs once.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import statistics
 import sys
@@ -42,6 +41,15 @@ def synthetic_rollout(group, vocab: int, prompts: int, n: int):
         s.rollout_log_probs = log_probs[offset:offset + s.response_length].tolist()
         offset += s.response_length
     return samples
+
+
+def median_seconds(call, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -76,26 +84,18 @@ def main() -> None:
             group = TrainerGroup(cfg, CPU)
             ray.get([rank.__ray_ready__.remote() for rank in group.ranks])
             bring_up = time.perf_counter() - start
-            times = [math.nan]
+            trained = ""
             if not args.weights_only:
                 vocab = ray.get(group.leader.__ray_call__.remote(lambda self: self.backend.model.config.vocab_size))
                 samples = synthetic_rollout(group, vocab, 8, 8)
                 group.train(samples)  # warm-up
-                times = []
-            for _ in range(0 if args.weights_only else args.repeat):
-                start = time.perf_counter()
-                group.train(samples)
-                times.append(time.perf_counter() - start)
-            gathers = []
-            for _ in range(args.repeat):
-                start = time.perf_counter()
-                group.weights()
-                gathers.append(time.perf_counter() - start)
-            rows[backend, ranks] = statistics.median(times)
-            first = rows[args.backends[0], args.ranks[0]]
-            print(f"{args.model:24s} {backend:5s} ranks {ranks}  bring-up {bring_up:6.1f} s  train_rollout "
-                  f"{rows[backend, ranks]:7.3f} s ({rows[backend, ranks] / first:.2f}x of the first row)  "
-                  f"weights gathered {statistics.median(gathers):6.3f} s", flush=True)
+                rows[backend, ranks] = median_seconds(lambda: group.train(samples), args.repeat)
+                first = rows[args.backends[0], args.ranks[0]]
+                trained = (f"  train_rollout {rows[backend, ranks]:7.3f} s "
+                           f"({rows[backend, ranks] / first:.2f}x of the first row)")
+            gathered = median_seconds(group.weights, args.repeat)
+            print(f"{args.model:24s} {backend:5s} ranks {ranks}  bring-up {bring_up:6.1f} s{trained}  "
+                  f"weights gathered {gathered:6.3f} s", flush=True)
             group.shutdown()
 
 

@@ -8,6 +8,7 @@ layouts), not its speed (bench/trainer_group.py measures that).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import ray
@@ -74,7 +75,7 @@ TOKEN_BUDGET = {"use-dynamic-batch-size": True, "max-tokens-per-gpu": 96, "lr": 
 
 
 @pytest.fixture(scope="module")
-def one_rank_runs(inputs) -> dict:
+def one_rank_runs(inputs) -> Callable[[dict], tuple[list[dict], dict[str, torch.Tensor], CheckpointRef]]:
     """One rank's run per batching, shared by the two-rank variants it is compared with."""
     runs: dict = {}
 
@@ -115,19 +116,20 @@ def test_sharded_ranks_hold_half_the_state_and_load_and_save_one_ranks_checkpoin
     group = TrainerGroup(_config(inputs, "fsdp-state", **DP2, **{"train-backend": "fsdp"}), CPU)
     group.load_state(str(saved.path), saved.manifest.files)
 
-    def held(backend) -> tuple[int, int, int]:
+    def held(backend) -> tuple[bool, int, int]:
+        """Whether every parameter is a shard, and the elements of this rank's parameters and Adam moments."""
         from torch.distributed.tensor import DTensor
 
         params = list(backend.model.parameters())
         moments = [t for state in backend.optimizer.state.values() for t in state.values() if t.dim() > 0]
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
-        return (sum(isinstance(p, DTensor) for p in params) - len(params),
+        return (all(isinstance(p, DTensor) for p in params),
                 sum(local(p).numel() for p in params), sum(local(t).numel() for t in moments))
 
-    (not_sharded0, params0, moments0), (not_sharded1, params1, moments1) = ray.get(
+    (sharded0, params0, moments0), (sharded1, params1, moments1) = ray.get(
         [rank.__ray_call__.remote(lambda self: held(self.backend)) for rank in group.ranks])
     total = sum(t.numel() for t in load_file(saved.path / "model.safetensors").values())
-    assert not_sharded0 == not_sharded1 == 0
+    assert sharded0 and sharded1
     assert params0 + params1 == total and abs(params0 - params1) <= 0.01 * total  # each rank a half
     assert moments0 + moments1 == 2 * total  # Adam's two moments, sharded like their parameters
 

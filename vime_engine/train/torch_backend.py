@@ -32,13 +32,13 @@ from vime_engine.tensor_files import join_tensors, read_tensors, split_tensors, 
 from vime_engine.train.data_parallel import DataParallel
 from vime_engine.train.micro_batches import derived_max_tokens, plan_micro_batches
 from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference
-from vime_engine.train.sharding import gathered, shard_model, sharded_like, sharded_optimizer_state, whole
 from vime_engine.train.rollout_batch import (
     RolloutBatch,
     build_rollout_batch,
     global_batches,
     old_log_probs_from_training_forward,
 )
+from vime_engine.train.sharding import gathered, shard_model, sharded_like, sharded_optimizer_state, whole
 
 # The files of the resumable state (the checkpoint's trainer part).
 MODEL_FILE = "model.safetensors"
@@ -193,9 +193,8 @@ class TorchTrainBackend:
             for key, value in mb_metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + value
         metrics = self.dp.sum_metrics(metrics)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         max_norm = self.cfg.train.clip_grad if self.cfg.train.clip_grad > 0 else math.inf
-        metrics["train/grad_norm"] = whole(torch.nn.utils.clip_grad_norm_(params, max_norm)).item()
+        metrics["train/grad_norm"] = whole(torch.nn.utils.clip_grad_norm_(self._optimized(), max_norm)).item()
         self.optimizer.step()
         self.scheduler.step()
         return metrics
@@ -275,14 +274,17 @@ class TorchTrainBackend:
             raise RuntimeError(f"{directory / MODEL_FILE}: does not hold this model's weights "
                                f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         state = join_tensors(rest["skeleton"], tensors)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.optimizer.load_state_dict(sharded_optimizer_state(state["optimizer"], params))
+        self.optimizer.load_state_dict(sharded_optimizer_state(state["optimizer"], self._optimized()))
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None:
             self.critic.load_state_dict(self._sharded_like(self.critic, state["critic"]))
         restore_rng_state(rest["rng"])
 
     # -- layouts ------------------------------------------------------------------------------------------------
+    def _optimized(self) -> list[nn.Parameter]:
+        """The optimizer's parameters in its state dict's numbering (param-group order)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def _data_parallel(self, module: nn.Module) -> nn.Module:
         if self.dp.size == 1:
             return module
