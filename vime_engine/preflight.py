@@ -1,4 +1,4 @@
-"""Checks of everything a run reads, made before any worker starts (and before Ray does).
+"""Checks of everything a run reads, made before any worker starts.
 
 A mistake in the model directory, a checkpoint or any row of a dataset would otherwise surface seconds or
 minutes later inside a Ray actor or vLLM, as a traceback. `preflight(cfg)` reads them all first: the training
@@ -6,6 +6,9 @@ backend's packages, the model and reference directories, `--load` and the checkp
 the custom functions it would import, and every row of the training and eval datasets (keys, types, labels the
 reward can grade, prompts that render and fit the model's context). Each failure is a `PreflightError`, a
 `ConfigError`: one message naming the flag, file or row and the fix.
+
+The two halves can run apart: `check_inputs` takes a moment, `check_datasets` seconds (the tokenizer), so the
+driver runs the first before Ray starts and the second while Ray starts.
 """
 
 from __future__ import annotations
@@ -36,9 +39,16 @@ class PreflightError(ConfigError):
 
 def preflight(cfg: EngineConfig) -> None:
     """Refuse the run now, with one message, if anything it reads is missing or malformed."""
+    check_inputs(cfg)
+    check_datasets(cfg)
+
+
+def check_inputs(cfg: EngineConfig) -> None:
+    """Everything but the dataset rows: the packages, model, checkpoints and plugins (fast: no tokenizer is
+    loaded, no file read whole)."""
     if cfg.train.train_backend == "megatron":
         require_megatron()
-    model_config = check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
+    check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
     ref_load = cfg.checkpoint.ref_load
     torch_dist_ref = ref_load is not None and _is_converted_checkpoint(ref_load)
     if torch_dist_ref:
@@ -51,7 +61,13 @@ def preflight(cfg: EngineConfig) -> None:
             _check_megatron_mapping(ref_load, "--ref-load")
     _check_plugins(cfg)
     _check_checkpoints(cfg)
+
+
+def check_datasets(cfg: EngineConfig) -> None:
+    """Every row of the training and eval datasets, tokenized with the model's tokenizer (seconds: loading the
+    tokenizer imports transformers and torch)."""
     tokenizer = _tokenizer(cfg.model.hf_checkpoint)
+    model_config = check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
     context = cfg.rollout.vllm_max_model_len or _max_positions(model_config)
     train_rm = None if cfg.reward.custom_rm_path else cfg.reward.rm_type
     d, e = cfg.data, cfg.eval

@@ -9,15 +9,16 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from vime_engine.config import EngineConfig
 from vime_engine.metrics import rollout_metrics, version_metrics
-from vime_engine.preflight import preflight
+from vime_engine.preflight import check_datasets, check_inputs
 from vime_engine.rollout.dynamic_sampling import collect_groups
 from vime_engine.runtime.cluster import ray_cluster
-from vime_engine.runtime.devices import resolve_accelerator
+from vime_engine.runtime.devices import Accelerator, resolve_accelerator
 from vime_engine.runtime.placement import with_placement_decided
 from vime_engine.runtime.preemption import Preempted, PreemptionGuard
 from vime_engine.runtime.run_state import RunContext, run_evaluations
@@ -45,11 +46,18 @@ def local_cluster_cpus(cfg: EngineConfig) -> int:
 def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: RolloutCallback | None = None) -> RunResult:
     """Run rollouts from the resume point (or 0) up to `end_rollout_id` (default `--num-rollout`)."""
     end = cfg.rollout.num_rollout if end_rollout_id is None else end_rollout_id
-    preflight(cfg)  # model, checkpoints and every data row, before Ray or any worker starts
+    check_inputs(cfg)  # model, checkpoints and plugins, before Ray starts
     accel = resolve_accelerator(cfg.placement.device)
     cfg = with_placement_decided(cfg, accel.kind)
-    with (ray_cluster(cfg.placement.ray_address, num_cpus=local_cluster_cpus(cfg)), PreemptionGuard() as preemption,
-          Workers(cfg, accel) as workers):
+    with ThreadPoolExecutor(1, thread_name_prefix="preflight") as background:
+        datasets_checked = background.submit(check_datasets, cfg)  # every data row, while Ray starts
+        with ray_cluster(cfg.placement.ray_address, num_cpus=local_cluster_cpus(cfg)):
+            datasets_checked.result()  # a bad row is refused before any worker starts
+            return _rollout_loop(cfg, accel, end, on_rollout)
+
+
+def _rollout_loop(cfg: EngineConfig, accel: Accelerator, end: int, on_rollout: RolloutCallback | None) -> RunResult:
+    with PreemptionGuard() as preemption, Workers(cfg, accel) as workers:
         ctx = RunContext.open(cfg, workers)
         state, result = ctx.state, RunResult()
         workers.sync_weights(state.weight_version)  # the engine serves the trainer's (possibly resumed) weights

@@ -76,10 +76,15 @@ def reserve(bundles: list[dict[str, float]], strategy: str, asked: str) -> Place
     return group
 
 
+def bundle_node_ids(group: PlacementGroup) -> list[str]:
+    """The Ray node id of each bundle of a placed group."""
+    bundles = placement_group_table(group)["bundles_to_node_id"]
+    return [bundles[i] for i in sorted(bundles)]
+
+
 def nodes_of(group: PlacementGroup) -> list[str]:
     """The Ray node of each bundle of a placed group, as the first 8 hex digits of its node id."""
-    bundles = placement_group_table(group)["bundles_to_node_id"]
-    return [bundles[i][:8] for i in sorted(bundles)]
+    return [node[:8] for node in bundle_node_ids(group)]
 
 
 def wait_until_placed(group: PlacementGroup, bundle: int, timeout: float) -> bool:

@@ -3,7 +3,7 @@
 Placement: one placement-group bundle per node holding that node's devices (`--actor-num-gpus-per-node` GPUs /
 NPUs, or as many CPUs on CPU, where a "device" is one Ray CPU), STRICT_SPREAD over `--actor-num-nodes` nodes, so
 the counts are honoured exactly: ranks of one node share its bundle, rank = node × per_node + local rank.
-Before the ranks start, a probe task in bundle 0 picks the rendezvous address (that node's IP, a free port);
+Before the ranks start, a probe on bundle 0's node picks the rendezvous address (that node's IP, a free port);
 each rank gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` and joins torch.distributed
 on the accelerator's backend (gloo / nccl / hccl) before it builds its training backend.
 
@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.manifest import FileEntry
 from vime_engine.runtime.devices import Accelerator, use_cpu_share
-from vime_engine.runtime.placement import actor_resources, bundle_resources, describe, reserve
+from vime_engine.runtime.placement import actor_resources, bundle_node_ids, bundle_resources, describe, reserve
 from vime_engine.sample import Sample
 from vime_engine.train.backend import TrainBackend, build_train_backend
 from vime_engine.weight_sync.buckets import TensorSpec, specs_of
@@ -108,10 +108,20 @@ class TrainerRank:
 
 
 def _rendezvous_probe() -> tuple[str, int]:
-    """This node's address and a port free on it (run as a task inside bundle 0)."""
+    """This node's address and a port free on it."""
     with socket.socket() as probe:
         probe.bind(("", 0))
         return ray.util.get_node_ip_address(), probe.getsockname()[1]
+
+
+def _rendezvous(group: PlacementGroup) -> tuple[str, int]:
+    """Rank 0's node address and a free port there: probed by the driver itself when bundle 0 is on its node (a
+    task would start a Ray worker process just to answer, about 2 s before any rank can start), else by a task
+    inside bundle 0."""
+    if bundle_node_ids(group)[0] == ray.get_runtime_context().get_node_id():
+        return _rendezvous_probe()
+    in_bundle_0 = PlacementGroupSchedulingStrategy(group, 0)
+    return ray.get(ray.remote(num_cpus=0)(_rendezvous_probe).options(scheduling_strategy=in_bundle_0).remote())
 
 
 def world_size(cfg: EngineConfig) -> int:
@@ -140,8 +150,7 @@ class TrainerGroup:
         p = cfg.placement
         self.placement = _place(cfg, accel)
         in_bundle = lambda node: PlacementGroupSchedulingStrategy(self.placement, node)  # noqa: E731
-        host, port = ray.get(ray.remote(num_cpus=0)(_rendezvous_probe).options(
-            scheduling_strategy=in_bundle(0)).remote())
+        host, port = _rendezvous(self.placement)
         env = {"runtime_env": {"env_vars": dict(accel.actor_env)}}
         remote_class = ray.remote(actor_class)
         self.ranks = [
