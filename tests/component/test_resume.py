@@ -71,6 +71,7 @@ def _run(config: Path, fault: str | None = None, command: list[str] | None = Non
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        _kill_stragglers(marker)
         return -signal.SIGKILL
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -78,6 +79,19 @@ def _run(config: Path, fault: str | None = None, command: list[str] | None = Non
     if fault:
         pytest.fail(f"fault {fault} never triggered; see {config.parent / 'log.txt'}")
     return proc.returncode
+
+
+def _kill_stragglers(marker: Path) -> None:
+    """The killed run's processes outside its process group, which a dead machine or container would take along:
+    Ray's actors (each in a group of its own; they exit on their raylet's death, but not at once) and what they
+    started, such as the multiprocessing manager Megatron's checkpoint writer starts in each rank, which never
+    exits once its rank and that rank's raylet are gone."""
+    import psutil
+
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get("VIMEFLOW_TEST_FAULT_MARKER") == str(marker):
+                process.kill()
 
 
 def _final(run_dir: Path) -> tuple[str, list[dict]]:
