@@ -37,8 +37,8 @@ CASES = [
 
 
 @pytest.mark.parametrize(("extra", "config", "named"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
-def test_train_refuses_bad_input_with_one_message_before_any_worker_starts(tmp_path, tiny_model, data, extra, config,
-                                                                     named):
+def test_train_refuses_bad_input_with_one_message_before_any_worker_starts(tmp_path, tiny_model, data, extra,
+                                                                            config, named):
     args = ["train", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(data),
             *(a.format(tmp=tmp_path) for a in extra)]
     if config is not None:
