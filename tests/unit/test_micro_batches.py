@@ -6,7 +6,12 @@ import torch
 from transformers import Qwen3Config
 
 from vime_engine.config import build_config
-from vime_engine.train.micro_batches import activation_bytes_per_token, derived_max_tokens, plan_micro_batches
+from vime_engine.train.micro_batches import (
+    activation_bytes_per_token,
+    derived_max_tokens,
+    plan_micro_batches,
+    plan_shared_prompt_micro_batches,
+)
 
 LENGTHS = [30, 10, 50, 20, 40]
 
@@ -38,3 +43,19 @@ def test_derived_budget_scales_with_the_model_and_the_memory():
     assert activation_bytes_per_token(small, torch.float32) == 2 * activation_bytes_per_token(small, torch.bfloat16)
     cpu = torch.device("cpu")
     assert derived_max_tokens(small, torch.float32, cpu) > 50 * derived_max_tokens(large, torch.float32, cpu) > 0
+
+
+def test_rows_share_prompts_within_the_plan():
+    prompts, responses = [[1, 2], [3], [1, 2], [1, 2]], [5, 30, 6, 4]
+    # By token budget: rows first (the three samples of [1, 2] in one of 17 tokens), then packed as samples are:
+    # rows of 31 and 17 tokens pad to 62, 14 of it padding (at most a quarter): one micro-batch.
+    assert plan_shared_prompt_micro_batches(_train(), prompts, responses, 1000, pair_cost=0.0) == [[[0, 2, 3], [1]]]
+    assert plan_shared_prompt_micro_batches(_train(**{"max-tokens-per-gpu": 40}), prompts, responses, 1000,
+                                            pair_cost=0.0) == [[[0, 2, 3]], [[1]]]
+    # --micro-batch-size 2 keeps its runs of two samples; rows form within them.
+    fixed = _train(**{"micro-batch-size": 2})
+    assert plan_shared_prompt_micro_batches(fixed, prompts, responses, 1000, 0.0) == [[[0], [1]], [[2, 3]]]
+    # No pair cost (an attention without custom masks): a row per sample, the plan of plan_micro_batches.
+    lengths = [len(p) + r for p, r in zip(prompts, responses)]
+    assert plan_shared_prompt_micro_batches(_train(), prompts, responses, 1000, None) == [
+        [[i] for i in mb] for mb in plan_micro_batches(_train(), lengths, 1000)]

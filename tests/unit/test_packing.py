@@ -10,6 +10,7 @@ from vime_engine.algorithms.packing import (
     balanced_shares,
     fixed_size_micro_batches,
     pack_by_padded_length,
+    shared_prompt_rows,
     split_to_count,
 )
 
@@ -123,3 +124,40 @@ def test_split_to_count_keeps_every_index_in_order_and_grows_no_micro_batch(seed
     assert [i for mb in split for i in mb] == [i for mb in plan for i in mb]
     assert max((len(mb) for mb in split), default=0) <= max((len(mb) for mb in plan), default=0)
     assert all(any(set(mb) <= set(whole) for whole in plan) for mb in split if mb)
+
+
+A, B = [1, 2, 3], [4, 5]
+
+
+def test_shared_prompt_rows_by_hand() -> None:
+    prompts, responses = [A, B, A, A], [2, 5, 2, 2]
+    # Attention free: A's three samples share one row of 3 + 6 tokens.
+    assert shared_prompt_rows(prompts, responses, pair_cost=0.0, max_tokens=100) == [[0, 2, 3], [1]]
+    # pair_cost 2: one row of 9 costs 9 + 162 = 171, three rows of 5 cost 3 x (5 + 50) = 165, two rows (7 and 5
+    # tokens: balanced_shares puts A's first and third sample, i0 and i3, together) cost 7 + 98 + 5 + 50 = 160.
+    assert shared_prompt_rows(prompts, responses, pair_cost=2.0, max_tokens=100) == [[0, 3], [1], [2]]
+    # A budget of 8 rules out the row of 9.
+    assert shared_prompt_rows(prompts, responses, pair_cost=0.0, max_tokens=8) == [[0, 3], [1], [2]]
+    # Fewer rows win ties: a row of 3 tokens costs 3 + 9 = 12, two rows of 2 cost 2 x (2 + 4) = 12.
+    assert shared_prompt_rows([[7], [7]], [1, 1], pair_cost=1.0, max_tokens=10) == [[0, 1]]
+    # A sample over the budget still gets its own row (the micro-batch planner then names the flag).
+    assert shared_prompt_rows([A, A], [50, 1], pair_cost=0.0, max_tokens=10) == [[0], [1]]
+    assert shared_prompt_rows([], [], pair_cost=0.0, max_tokens=10) == []
+    with pytest.raises(ValueError, match="2 prompts but 1 response lengths"):
+        shared_prompt_rows([A, B], [1], pair_cost=0.0, max_tokens=10)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_shared_prompt_rows_invariants(seed: int) -> None:
+    rng = random.Random(seed)
+    distinct = [[rng.randrange(100) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(1, 5))]
+    prompts = [rng.choice(distinct) for _ in range(rng.randint(0, 30))]
+    responses = [rng.randint(0, 60) for _ in prompts]
+    max_tokens = rng.randint(40, 300)
+    rows = shared_prompt_rows(prompts, responses, pair_cost=rng.choice([0.0, 1e-3, 0.1]), max_tokens=max_tokens)
+    assert sorted(i for row in rows for i in row) == list(range(len(prompts)))
+    assert rows == sorted(rows) and all(row == sorted(row) for row in rows)
+    for row in rows:
+        assert all(prompts[i] == prompts[row[0]] for i in row)
+        if len(row) > 1:
+            assert len(prompts[row[0]]) + sum(responses[i] for i in row) <= max_tokens

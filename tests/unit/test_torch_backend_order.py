@@ -35,5 +35,5 @@ def test_packed_micro_batches_give_the_same_log_probs_as_one_sample_at_a_time(ti
     packed_backend = TorchTrainBackend(build_config([], **base, **{"use-dynamic-batch-size": True,
                                                                    "max-tokens-per-gpu": 40}))
     micro_batches = packed_backend._micro_batches(samples)
-    assert [i for mb in micro_batches for i in mb] != list(range(len(samples)))  # packing reordered them
+    assert [i for mb in micro_batches for row in mb for i in row] != list(range(len(samples)))  # packing reordered
     torch.testing.assert_close(packed_backend.log_probs(samples), one_by_one, atol=1e-5, rtol=0)

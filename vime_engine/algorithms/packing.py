@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["balanced_shares", "fixed_size_micro_batches", "pack_by_padded_length"]
+__all__ = ["balanced_shares", "fixed_size_micro_batches", "pack_by_padded_length", "shared_prompt_rows"]
 
 
 def pack_by_padded_length(lengths: Sequence[int], max_tokens: int, max_padding_share: float) -> list[list[int]]:
@@ -105,3 +105,46 @@ def balanced_shares(lengths: Sequence[int], num_shares: int) -> list[list[int]]:
         shares[target].append(index)
         tokens[target] += lengths[index]
     return [sorted(share) for share in shares]
+
+
+def shared_prompt_rows(prompts: Sequence[Sequence[int]], response_lengths: Sequence[int], pair_cost: float,
+                       max_tokens: int) -> list[list[int]]:
+    """Group sample indices into forward rows where samples with the same prompt share it: a row holds one prompt
+    followed by the responses of one or more samples, each response attending to the prompt and to itself. The n
+    samples of a GRPO group then run their prompt once instead of n times.
+
+    Sharing is not free: a row of L tokens attends over all L x L pairs (the masked-out pairs between responses
+    included), against a token's cost of 1 that is `pair_cost` per pair. Each group of samples with the same
+    prompt tokens is split into the number of rows, 1 to its size, whose cost sum(L + pair_cost * L**2) is
+    least, among the splits whose rows fit `max_tokens` (a single sample always may; fewer rows on ties); a split
+    into k rows gives each as even a share of the response tokens as `balanced_shares` makes. Deterministic:
+    depends only on the arguments.
+
+    Invariants: every index appears in exactly one row; the samples of a row have the same prompt tokens; a row
+    of several samples has at most `max_tokens` tokens; indices within a row are ascending; rows are ordered by
+    their smallest index.
+    """
+    if len(prompts) != len(response_lengths):
+        raise ValueError(f"{len(prompts)} prompts but {len(response_lengths)} response lengths")
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt), []).append(index)
+
+    def row_tokens(prompt_length: int, members: Sequence[int]) -> int:
+        return prompt_length + sum(response_lengths[i] for i in members)
+
+    rows: list[list[int]] = []
+    for prompt, members in groups.items():
+        best: tuple[float, list[list[int]]] | None = None
+        for count in range(1, len(members) + 1):
+            shares = balanced_shares([response_lengths[i] for i in members], count)
+            split = [[members[j] for j in share] for share in shares]
+            lengths = [row_tokens(len(prompt), row) for row in split]
+            if count < len(members) and max(lengths) > max_tokens:
+                continue
+            cost = sum(length + pair_cost * length * length for length in lengths)
+            if best is None or cost < best[0]:
+                best = (cost, split)
+        assert best is not None  # one sample per row always qualifies
+        rows.extend(best[1])
+    return sorted(rows)

@@ -30,7 +30,12 @@ from vime_engine.manifest import FileEntry, read_verified
 from vime_engine.sample import Sample
 from vime_engine.tensor_files import join_tensors, read_tensors, split_tensors, write_tensors
 from vime_engine.train.data_parallel import DataParallel
-from vime_engine.train.micro_batches import derived_max_tokens, plan_micro_batches
+from vime_engine.train.forward_rows import build_forward_rows
+from vime_engine.train.micro_batches import (
+    attention_pair_cost,
+    derived_max_tokens,
+    plan_shared_prompt_micro_batches,
+)
 from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference
 from vime_engine.train.rollout_batch import (
     RolloutBatch,
@@ -76,6 +81,10 @@ class TorchTrainBackend:
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model.hf_checkpoint, torch_dtype=dtype).to(self.device)
         self.model.train()
         self.derived_max_tokens = derived_max_tokens(self.model.config, dtype, self.device)
+        # Samples share their prompt's forward row through a custom attention mask, which torch's SDPA (the default
+        # attention of HF models) takes and flash-attention kernels do not: with those, a row per sample.
+        self.attention_pair_cost = (attention_pair_cost(self.model.config)
+                                    if self.model.config._attn_implementation == "sdpa" else None)
         self.ref_model = None
         if needs_reference(cfg):
             ref_path = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
@@ -101,32 +110,33 @@ class TorchTrainBackend:
             self.optimizer, lambda step: schedule.learning_rate(step) / schedule.lr)
 
     # -- forward passes -----------------------------------------------------------------------------------------
-    def _forward(self, model: nn.Module, samples: list[Sample], with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """Flat response log-probs of `samples` (one padded batch) and, if asked, the sampling distribution's
-        entropy there. The LM head runs only from the earliest response's position on (`logits_to_keep`), and
-        log-probs and entropy come chunk by chunk over the tokens (vime_engine.algorithms.token_log_probs)."""
-        input_ids, attention_mask = _pad([s.prompt_tokens + s.response_tokens for s in samples], self.device)
-        first = min(len(s.prompt_tokens) for s in samples) - 1  # the logit at t-1 predicts token t
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=input_ids.shape[1] - first,
+    def _forward(self, model: nn.Module, rows: list[list[Sample]],
+                 with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Flat response log-probs of the samples of `rows` (one padded batch of rows, each a prompt and the
+        responses sharing it: vime_engine.train.forward_rows) and, if asked, the sampling distribution's entropy
+        there. The LM head runs only from the earliest predicting position on (`logits_to_keep`), and log-probs
+        and entropy come chunk by chunk over the tokens (vime_engine.algorithms.token_log_probs)."""
+        layout = build_forward_rows(rows, self.device)
+        first = layout.first_predictor
+        logits = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
+                       position_ids=layout.position_ids, logits_to_keep=layout.input_ids.shape[1] - first,
                        use_cache=False).logits
-        positions = _response_positions(samples, self.device)
-        rows = torch.repeat_interleave(
-            torch.arange(len(samples), device=self.device),
-            torch.tensor([s.response_length for s in samples], device=self.device),
-        )
         temperature = self.cfg.rollout.rollout_temperature
-        return token_log_probs_and_entropy(logits[rows, positions - 1 - first], input_ids[rows, positions],
-                                           temperature, with_entropy)
+        return token_log_probs_and_entropy(logits[layout.token_rows, layout.predictors - first],
+                                           layout.input_ids[layout.token_rows, layout.targets], temperature,
+                                           with_entropy)
 
-    def _values(self, samples: list[Sample], critic: nn.Module | None = None) -> Tensor:
+    def _values(self, rows: list[list[Sample]], critic: nn.Module | None = None) -> Tensor:
+        """The critic's values at the response tokens of the samples of `rows`, one sample per padded row."""
+        samples = [s for row in rows for s in row]
         input_ids, attention_mask = _pad([s.prompt_tokens + s.response_tokens for s in samples], self.device)
         values = (critic or self.critic)(input_ids, attention_mask)
         positions = _response_positions(samples, self.device)
-        rows = torch.repeat_interleave(
+        rows_of_tokens = torch.repeat_interleave(
             torch.arange(len(samples), device=self.device),
             torch.tensor([s.response_length for s in samples], device=self.device),
         )
-        return values[rows, positions - 1]
+        return values[rows_of_tokens, positions - 1]
 
     @torch.no_grad()
     def _batched(self, fn, samples: list[Sample]) -> Tensor:
@@ -135,10 +145,11 @@ class TorchTrainBackend:
         pieces: dict[int, Tensor] = {}
         for mb in self._micro_batches(mine):  # packed micro-batches are not in sample order: put each piece back
             if not mb:  # this rank's share ran out; the others' sharded forwards still need it
-                fn(samples[:1])
+                fn([samples[:1]])
                 continue
-            flat = fn([mine[i] for i in mb])
-            pieces.update(zip(mb, torch.split(flat, [mine[i].response_length for i in mb])))
+            order = [i for row in mb for i in row]
+            flat = fn([[mine[i] for i in row] for row in mb])
+            pieces.update(zip(order, torch.split(flat, [mine[i].response_length for i in order])))
         local = torch.cat([pieces[i] for i in range(len(mine))])
         return self.dp.gather_per_sample(local, [s.response_length for s in samples])
 
@@ -146,9 +157,12 @@ class TorchTrainBackend:
         """Current policy's flat response log-probs (no gradient)."""
         return self._batched(lambda mb: self._forward(self.model, mb, with_entropy=False)[0], samples)
 
-    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        """The micro-batches of this rank's `samples`; sharded, as many on every rank (some maybe empty)."""
-        plan = plan_micro_batches(self.cfg.train, [s.total_length for s in samples], self.derived_max_tokens)
+    def _micro_batches(self, samples: list[Sample]) -> list[list[list[int]]]:
+        """The micro-batches of this rank's `samples`, each a list of forward rows of sample indices (samples with
+        the same prompt share a row where that saves work); sharded, as many on every rank (some maybe empty)."""
+        plan = plan_shared_prompt_micro_batches(
+            self.cfg.train, [s.prompt_tokens for s in samples], [s.response_length for s in samples],
+            self.derived_max_tokens, self.attention_pair_cost)
         return split_to_count(plan, self.dp.max_over_ranks(len(plan))) if self.sharded else plan
 
     # -- one rollout's training ---------------------------------------------------------------------------------
@@ -182,11 +196,12 @@ class TorchTrainBackend:
                 if not mb:  # this rank's share ran out: it joins the others' sharded passes, adding nothing
                     self._zero_backward(samples[step[0]])
                     continue
-                mb_samples = [local_samples[i] for i in mb]
-                log_probs, entropy = self._forward(self.train_model, mb_samples, with_entropy=True)
-                values = self._values(mb_samples, self.train_critic) if self.critic is not None else None
+                rows = [[local_samples[i] for i in row] for row in mb]
+                log_probs, entropy = self._forward(self.train_model, rows, with_entropy=True)
+                values = self._values(rows, self.train_critic) if self.critic is not None else None
+                order = [local[i] for row in mb for i in row]
                 loss, mb_metrics = micro_batch_loss(
-                    self.cfg, MicroBatchOutputs(log_probs, entropy, values), rollout.targets([local[i] for i in mb]),
+                    self.cfg, MicroBatchOutputs(log_probs, entropy, values), rollout.targets(order),
                     global_tokens, global_samples,
                 )
                 (loss * self.dp.size).backward()  # gradients are averaged over ranks; the global denominators did
@@ -201,10 +216,10 @@ class TorchTrainBackend:
 
     def _zero_backward(self, stand_in: Sample) -> None:
         """A forward and backward through every trained module whose gradient is zero."""
-        log_probs, _ = self._forward(self.train_model, [stand_in], with_entropy=False)
+        log_probs, _ = self._forward(self.train_model, [[stand_in]], with_entropy=False)
         loss = log_probs.sum()
         if self.critic is not None:
-            loss = loss + self._values([stand_in], self.train_critic).sum()
+            loss = loss + self._values([[stand_in]], self.train_critic).sum()
         (loss * 0.0).backward()
 
     @contextlib.contextmanager
