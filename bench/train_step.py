@@ -25,24 +25,28 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# name: (built-in model, samples, prompt tokens, most response tokens)
+# name: (built-in model, samples, prompt tokens, most response tokens, share of responses at that cap)
+# SmolLM2's prompts are the built-in arithmetic problems in its chat template (44 tokens); its responses nearly all
+# reach a 64-token cap, and a quarter of them a 512-token one.
 CASES = {
-    "tiny": ("tiny-qwen3", 64, 24, 32),
-    "smollm2-64": ("smollm2-135m-instruct", 16, 50, 64),
-    "smollm2-512": ("smollm2-135m-instruct", 16, 50, 512),
+    "tiny": ("tiny-qwen3", 64, 24, 32, 0.25),
+    "smollm2-64": ("smollm2-135m-instruct", 16, 44, 64, 1.0),
+    "smollm2-512": ("smollm2-135m-instruct", 16, 44, 512, 0.25),
 }
 
 
 def samples(name: str, vocab: int):
-    """Responses of random lengths (a quarter at the cap, the rest short, as the 512-token demo runs give)."""
+    """Groups of 4 responses to one prompt (GRPO's n samples): the case's share at the cap, the rest of random
+    shorter lengths."""
     from vime_engine.sample import Sample
 
-    _, count, prompt_len, cap = CASES[name]
+    _, count, prompt_len, cap, capped = CASES[name]
     rng = random.Random(0)
     out = []
     for i in range(count):
-        length = cap if rng.random() < 0.25 else rng.randrange(max(cap // 8, 4), max(cap // 2, 8))
-        prompt = [rng.randrange(10, vocab) for _ in range(prompt_len)]
+        length = cap if rng.random() < capped else rng.randrange(max(cap // 8, 4), max(cap // 2, 8))
+        if i % 4 == 0:
+            prompt = [rng.randrange(10, vocab) for _ in range(prompt_len)]
         response = [rng.randrange(10, vocab) for _ in range(length)]
         out.append(Sample(i // 4, "", "", prompt, response, rollout_log_probs=[-1.0] * length,
                           loss_mask=[1] * length, reward=float(rng.random() < 0.5)))
@@ -60,7 +64,7 @@ def run_case(name: str, rollouts: int, flags: dict[str, str], cache: Path) -> li
 
     model = CASES[name][0]
     model_dir = materialize_builtin_model(model, cache / model)
-    _, count, _, _ = CASES[name]
+    _, count, *_ = CASES[name]
     cfg = build_config([], **{"hf-checkpoint": str(model_dir), "prompt-data": "unused",
                               "rollout-batch-size": count // 4, "n-samples-per-prompt": 4, "lr": 1e-6, **flags})
     torch.manual_seed(0)
