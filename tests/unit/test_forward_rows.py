@@ -85,3 +85,30 @@ def test_the_backend_shares_prompts_and_returns_log_probs_in_sample_order(backen
     assert any(len(row) > 1 for row in rows)  # the tiny model's attention is cheap: its groups share
     expected = torch.cat([backend._forward(backend.model, [[s]], with_entropy=False)[0] for s in samples])
     torch.testing.assert_close(backend.log_probs(samples), expected.detach(), atol=1e-5, rtol=0)
+
+
+def test_training_on_shared_rows_does_not_depend_on_the_thread_count(backend):
+    """A shared prompt's last logit predicts several tokens; the sum of their gradients must not depend on how
+    many threads the trainer has (a run on a one-core node must end where the same run on two cores ends)."""
+    model_dir = backend.cfg.model.hf_checkpoint
+    rng = random.Random(0)
+    tokens = lambda n: [rng.randrange(10, 90) for _ in range(n)]  # noqa: E731
+    samples = []
+    for group in range(4):  # the tiny pipeline's rollout: 4 prompts x 4 samples, short responses
+        prompt = tokens(rng.randrange(30, 40))
+        for i in range(4):
+            n = rng.randrange(3, 9)
+            samples.append(Sample(group, "", "", prompt, tokens(n), rollout_log_probs=[-1.0] * n, loss_mask=[1] * n,
+                                  reward=float(i % 2)))
+    weights = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            trainer = TorchTrainBackend(build_config([], **{"hf-checkpoint": model_dir, "prompt-data": "unused",
+                                                             "rollout-batch-size": 4, "n-samples-per-prompt": 4}))
+            trainer.train_rollout(samples)
+            weights.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(weights[0], weights[1])

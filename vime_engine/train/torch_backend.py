@@ -121,8 +121,12 @@ class TorchTrainBackend:
         logits = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
                        position_ids=layout.position_ids, logits_to_keep=layout.input_ids.shape[1] - first,
                        use_cache=False).logits
+        # index_select, not logits[rows, positions]: a shared prompt's last logit predicts several tokens, and the
+        # backward of advanced indexing sums repeated indices in an order that depends on the thread count (a run
+        # trained on one core and on two would differ); index_select's backward adds them in index order.
+        predicting = layout.token_rows * logits.shape[1] + layout.predictors - first
         temperature = self.cfg.rollout.rollout_temperature
-        return token_log_probs_and_entropy(logits[layout.token_rows, layout.predictors - first],
+        return token_log_probs_and_entropy(logits.flatten(0, 1).index_select(0, predicting),
                                            layout.input_ids[layout.token_rows, layout.targets], temperature,
                                            with_entropy)
 
