@@ -107,6 +107,11 @@ def balanced_shares(lengths: Sequence[int], num_shares: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
+def shared_row_tokens(prompt_length: int, response_lengths: Sequence[int], row: Sequence[int]) -> int:
+    """Tokens of a forward row holding one prompt and the responses of the samples `row` indexes."""
+    return prompt_length + sum(response_lengths[i] for i in row)
+
+
 def shared_prompt_rows(prompts: Sequence[Sequence[int]], response_lengths: Sequence[int], pair_cost: float,
                        max_tokens: int) -> list[list[int]]:
     """Group sample indices into forward rows where samples with the same prompt share it: a row holds one prompt
@@ -130,16 +135,13 @@ def shared_prompt_rows(prompts: Sequence[Sequence[int]], response_lengths: Seque
     for index, prompt in enumerate(prompts):
         groups.setdefault(tuple(prompt), []).append(index)
 
-    def row_tokens(prompt_length: int, members: Sequence[int]) -> int:
-        return prompt_length + sum(response_lengths[i] for i in members)
-
     rows: list[list[int]] = []
     for prompt, members in groups.items():
         best: tuple[float, list[list[int]]] | None = None
         for count in range(1, len(members) + 1):
             shares = balanced_shares([response_lengths[i] for i in members], count)
             split = [[members[j] for j in share] for share in shares]
-            lengths = [row_tokens(len(prompt), row) for row in split]
+            lengths = [shared_row_tokens(len(prompt), response_lengths, row) for row in split]
             if count < len(members) and max(lengths) > max_tokens:
                 continue
             cost = sum(length + pair_cost * length * length for length in lengths)

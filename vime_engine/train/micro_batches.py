@@ -21,7 +21,12 @@ from collections.abc import Sequence
 
 import torch
 
-from vime_engine.algorithms.packing import fixed_size_micro_batches, pack_by_padded_length, shared_prompt_rows
+from vime_engine.algorithms.packing import (
+    fixed_size_micro_batches,
+    pack_by_padded_length,
+    shared_prompt_rows,
+    shared_row_tokens,
+)
 from vime_engine.config import TrainConfig
 
 # Share of the device memory the training activations of one micro-batch may take; the rest holds the weights,
@@ -95,7 +100,7 @@ def plan_shared_prompt_micro_batches(train: TrainConfig, prompts: Sequence[Seque
     if train.micro_batch_size is not None and not train.use_dynamic_batch_size:
         return [rows_of(mb) for mb in fixed_size_micro_batches(len(lengths), train.micro_batch_size)]
     rows = rows_of(range(len(lengths)))
-    row_lengths = [len(prompts[row[0]]) + sum(response_lengths[i] for i in row) for row in rows]
+    row_lengths = [shared_row_tokens(len(prompts[row[0]]), response_lengths, row) for row in rows]
     return [[rows[i] for i in mb] for mb in pack_by_padded_length(row_lengths, budget, MAX_PADDING_SHARE)]
 
 
