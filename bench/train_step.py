@@ -9,6 +9,7 @@ core count) the CPU time is the figure that compares; the wall time says how loa
 
     .venv/bin/python bench/train_step.py --base HEAD~3
     .venv/bin/python bench/train_step.py --base HEAD --cases smollm2-64 --flags micro-batch-size=4
+    .venv/bin/python bench/train_step.py --base HEAD --cases demo --base-flags micro-batch-size=8 --flags
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CASES = {
     "tiny": ("tiny-qwen3", 64, 24, 32, 0.25),
     "smollm2-64": ("smollm2-135m-instruct", 16, 44, 64, 1.0),
     "smollm2-512": ("smollm2-135m-instruct", 16, 44, 512, 0.25),
+    "demo": ("smollm2-135m-instruct", 32, 44, 32, 0.25),  # the default run's rollout (configs/demo-engine.yaml)
 }
 
 
