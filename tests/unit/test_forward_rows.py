@@ -46,10 +46,13 @@ def test_rows_of_one_sample_keep_the_models_own_mask():
         build_forward_rows([[Sample(0, "", "", [1], [2]), Sample(0, "", "", [3], [4])]], torch.device("cpu"))
 
 
+def _trainer(model_dir: str, **flags) -> TorchTrainBackend:
+    return TorchTrainBackend(build_config([], **{"hf-checkpoint": model_dir, "prompt-data": "unused", **flags}))
+
+
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory):
-    model_dir = materialize_builtin_model("tiny-qwen3", tmp_path_factory.mktemp("tiny") / "model")
-    return TorchTrainBackend(build_config([], **{"hf-checkpoint": str(model_dir), "prompt-data": "unused"}))
+    return _trainer(str(materialize_builtin_model("tiny-qwen3", tmp_path_factory.mktemp("tiny") / "model")))
 
 
 def _groups() -> list[list[Sample]]:
@@ -105,8 +108,7 @@ def test_training_on_shared_rows_does_not_depend_on_the_thread_count(backend):
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            trainer = TorchTrainBackend(build_config([], **{"hf-checkpoint": model_dir, "prompt-data": "unused",
-                                                             "rollout-batch-size": 4, "n-samples-per-prompt": 4}))
+            trainer = _trainer(model_dir, **{"rollout-batch-size": 4, "n-samples-per-prompt": 4})
             trainer.train_rollout(samples)
             weights.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
     finally:
