@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from vime_engine import checkpoint as ckpt
+from vime_engine.checkpoint import store as ckpt
 from vime_engine.assets import resolve_model
 from vime_engine.config import from_flat
 from vime_engine.train.torch_backend import TorchTrainBackend

@@ -41,7 +41,7 @@ def _params(config: Path, root: Path, run_name: str, dest: Path) -> Path:
 
 
 def overhead(config: Path, tmp: Path, env: dict) -> dict:
-    from tasks.run_layout import make_layout
+    from tasks.engine_job.layout import make_layout
 
     root = tmp / "overhead"
     params = _params(config, root, "overhead", tmp / "overhead.yaml")
@@ -60,7 +60,7 @@ def overhead(config: Path, tmp: Path, env: dict) -> dict:
 
 
 def resume_latency(config: Path, tmp: Path, env: dict) -> dict:
-    from tasks.run_layout import make_layout
+    from tasks.engine_job.layout import make_layout
 
     root = tmp / "resume"
     params = _params(config, root, "resume", tmp / "resume.yaml")

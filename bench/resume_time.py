@@ -36,7 +36,7 @@ def resume(name: str, cache: Path, spawned_at: float) -> dict[str, float]:
 
     from step_time import engine_config
     from vime_engine.runtime.cluster import ray_cluster
-    from vime_engine.runtime.devices import resolve_accelerator
+    from vime_engine.devices.accelerator import resolve_accelerator
     from vime_engine.runtime.run_state import RunContext
     from vime_engine.runtime.workers import Workers
 

@@ -92,7 +92,7 @@ def main() -> None:
     from vime_engine.data.records import PromptRecord
     from vime_engine.models.builtin import materialize_builtin_model
     from vime_engine.rollout.worker import train_plan
-    from vime_engine.runtime.devices import CPU
+    from vime_engine.devices.accelerator import CPU
     from vime_engine.runtime.workers import Workers
 
     model = materialize_builtin_model(args.model, args.cache / args.model)

@@ -58,7 +58,7 @@ def main() -> None:
     from vime_engine.config import build_config
     from vime_engine.models.builtin import materialize_builtin_model
     from vime_engine.runtime.cluster import ray_cluster
-    from vime_engine.runtime.devices import CPU
+    from vime_engine.devices.accelerator import CPU
     from vime_engine.runtime.trainer_group import TrainerGroup
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

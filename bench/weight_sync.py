@@ -44,11 +44,12 @@ def model_bytes(model_path: Path) -> int:
 def measure(cfg, path_name: str, repeat: int) -> float:
     import ray
 
-    from vime_engine.runtime.devices import CPU
+    from vime_engine.config import with_overrides
+    from vime_engine.devices.accelerator import CPU
     from vime_engine.runtime.workers import Workers
 
     kind = "broadcast" if path_name == "broadcast" else "object_store"
-    with Workers(cfg.with_overrides(weight_sync=kind), CPU) as workers:
+    with Workers(with_overrides(cfg, weight_sync=kind), CPU) as workers:
         workers.sync_weights(0)  # warm-up: forms the broadcast group, touches every page once
         best = float("inf")
         for version in range(1, repeat + 1):

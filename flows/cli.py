@@ -49,7 +49,7 @@ def _is_user_error(cause: BaseException, user_errors: tuple[type[BaseException],
     """Input the user can fix: the engine's errors of that kind, and `user_errors`."""
     from pydantic import ValidationError
 
-    from vime_engine.checkpoint import CheckpointError
+    from vime_engine.checkpoint.store import CheckpointError
     from vime_engine.config import ConfigError
     from vime_engine.data.datasets import DatasetError
 
@@ -211,9 +211,9 @@ def run(
         raise _fail(exc, verbose, (OSError,)) from None
     from flows.console_view import LiveView, PipelineFollower, quiet_environment
     from flows.rl_pipeline import chunk_ranges, rl_pipeline
-    from tasks.engine_process import STREAM_ENGINE_OUTPUT, EngineConfigFailure
+    from tasks.engine_job.process import STREAM_ENGINE_OUTPUT, EngineConfigFailure
     from tasks.images import ImageCheckError
-    from tasks.storage_errors import PermanentStorageError
+    from tasks.storage.errors import PermanentStorageError
 
     following = contextlib.nullcontext()
     if verbose:
@@ -291,9 +291,9 @@ def reward_server(
 def modelarts_entrypoint(
     spec: str = typer.Option(..., "--spec", help="obs://… URI of the chunk spec the submitter wrote"),
 ) -> None:
-    """Inside a ModelArts training job: train one chunk and commit it to OBS (tasks/modelarts_entrypoint.py).
+    """Inside a ModelArts training job: train one chunk and commit it to OBS (tasks/modelarts/entrypoint.py).
     Exit code: 0 done, 75 preempted after a committed checkpoint, 3 infrastructure, other = failure."""
-    from tasks.modelarts_entrypoint import main as run_entrypoint
+    from tasks.modelarts.entrypoint import main as run_entrypoint
 
     raise typer.Exit(run_entrypoint(spec))
 
@@ -306,7 +306,7 @@ def convert(
 ) -> None:
     """Convert HF <-> Megatron torch_dist (the engine's own mapping), verified by a round trip (needs megatron-core)."""
     from vime_engine.convert import convert_checkpoint
-    from vime_engine.runtime.devices import resolve_accelerator
+    from vime_engine.devices.accelerator import resolve_accelerator
 
     console.print(f"converted: {convert_checkpoint(source, dest, direction, resolve_accelerator())}")
 

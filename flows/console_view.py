@@ -1,7 +1,7 @@
 """What `vimeflow run` and `vimeflow train` show on the console: one live view of the run, the engine's output
 in log files.
 
-The engine's output (Ray, the trainer ranks, the vLLM engines) goes to files: for `run`, tasks.engine_process
+The engine's output (Ray, the trainer ranks, the vLLM engines) goes to files: for `run`, tasks.engine_job.process
 sends each engine job's output to `<work dir>/logs/`; for `train`, the command's own stdout and stderr
 descriptors point at `<output dir>/logs/engine.log` while the engine runs (Ray forwards every worker's output to
 its driver, which is this process), and the live view writes to the terminal's descriptors. `--verbose` keeps

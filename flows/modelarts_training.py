@@ -22,7 +22,7 @@ from flows.rl_pipeline import chunk_ranges, prepare_run, publish_run
 from tasks.evaluate import evaluate
 from tasks.publish import PublishOutcome
 from tasks.result_store import results_block
-from tasks.run_layout import RunLayout
+from tasks.engine_job.layout import RunLayout
 from tasks.submit_modelarts import ModelArtsSettings, submit_modelarts
 
 

@@ -23,7 +23,7 @@ from tasks.images import ImageInfo
 from tasks.pipeline_prepare import TrainableModel, check_image, convert_checkpoint, stage_data, stage_model
 from tasks.publish import PublishOutcome, publish
 from tasks.result_store import results_block
-from tasks.run_layout import DatasetRef, EngineJob, RunLayout, bind_work_dir, make_layout
+from tasks.engine_job.layout import DatasetRef, EngineJob, RunLayout, bind_work_dir, make_layout
 from tasks.staging import StagedAsset
 from tasks.train_chunk import train_chunk
 

@@ -21,12 +21,12 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from tasks.checkpoint_history import fetch_history, open_checkpoint
-from tasks.engine_process import is_infrastructure_failure, run_engine_job
-from tasks.run_layout import EngineJob, RunLayout, localize
+from tasks.engine_job.checkpoint_history import fetch_history, open_checkpoint
+from tasks.engine_job.process import is_infrastructure_failure, run_engine_job
+from tasks.engine_job.layout import EngineJob, RunLayout, localize
 from tasks.storage import join_key, open_storage
 from tasks.train_chunk import ChunkOutcome
-from vime_engine import checkpoint as ckpt
+from vime_engine.checkpoint import store as ckpt
 
 EVAL_FLAGS = ("n-samples-per-eval-prompt", "eval-input-key", "eval-label-key", "eval-rm-type",
               "eval-max-response-len", "eval-temperature", "eval-top-p")

@@ -81,7 +81,7 @@ def _hf_to_megatron(model: StagedAsset, storage_root: str) -> tuple[str, str]:
     """Convert the staged HF model to torch_dist (verified by a round trip) and commit it beside the source."""
     require_megatron()  # the install hint, before anything is fetched
     from vime_engine.convert import convert_checkpoint as convert
-    from vime_engine.runtime.devices import resolve_accelerator
+    from vime_engine.devices.accelerator import resolve_accelerator
 
     prefix = model.uri.removeprefix(storage_root.rstrip("/") + "/").rstrip("/") + "-megatron"
     with tempfile.TemporaryDirectory(prefix="vimeflow-convert-") as tmp:

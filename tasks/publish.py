@@ -20,11 +20,11 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
-from tasks.checkpoint_history import read_history
+from tasks.engine_job.checkpoint_history import read_history
 from tasks.evaluate import EvalOutcome
 from tasks.report_plots import eval_keys, series, write_plots
 from tasks.retry_policy import retry_on
-from tasks.run_layout import EngineJob, RunLayout
+from tasks.engine_job.layout import EngineJob, RunLayout
 from tasks.staging import StagedAsset
 from tasks.storage import TransientStorageError, join_key, open_storage
 from tasks.train_chunk import ChunkOutcome

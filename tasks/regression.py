@@ -1,15 +1,13 @@
 """Regression gates: observed run metrics against a stored baseline with tolerance bands, and a readable diff.
 
 A band passes when the observed value lies in [baseline - below, baseline + above]; a missing value fails.
-Step time is compared as a ratio to a reference workload (`reference_seconds`) timed in each chunk's engine
+Step time is compared as a ratio to a reference workload (tasks/engine_job/speed_probe.py) timed in each chunk's engine
 process just before it trains, so a slower or busier machine does not read as a regression of the code (and
 a chunk that comes back from the cache brings the reference of the run that trained it).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 import yaml
@@ -75,19 +73,3 @@ def render_diff(results: list[BandResult]) -> str:
         lines.append(f"| {'✅' if r.passed else '❌'} | {b.metric} | {'—' if v is None else f'{v:.4g}'} "
                      f"| {b.baseline:.4g} | [{b.low:.4g}, {b.high:.4g}] | {off} |")
     return "\n".join(lines)
-
-
-def reference_seconds(repeats: int = 3) -> float:
-    """Median time of a fixed small torch forward+backward: the machine's speed right now."""
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    layer = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
-    x = torch.randn(64, 256, generator=gen)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(5):
-            layer(x).square().mean().backward()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)

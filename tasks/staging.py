@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from vime_engine.manifest import FileEntry
+from vime_engine.checkpoint.manifest import FileEntry
 from tasks.storage import (
     NotFoundError, PermanentStorageError, Storage, StorageError, TransientStorageError, join_key, open_storage,
 )
-from tasks.storage_errors import classify
+from tasks.storage.errors import classify
 
 # Weights in safetensors, configs, tokenizers, templates; not .bin/.pt/.h5/.onnx duplicates of the weights.
 DEFAULT_MODEL_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")

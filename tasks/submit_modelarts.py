@@ -1,7 +1,7 @@
 """submit_modelarts: one training chunk as a ModelArts training job, as a cached, retried Prefect task.
 
 The chunk's `ChunkSpec` goes to `{run}/modelarts/chunk-NNNNNNN.json` in the (obs://) storage root; the job runs
-`vimeflow modelarts-entrypoint --spec <that URI>` (tasks/modelarts_entrypoint.py) on the custom image. The
+`vimeflow modelarts-entrypoint --spec <that URI>` (tasks/modelarts/entrypoint.py) on the custom image. The
 job's log preview streams into the task's log. Its end:
 
   Completed                    the entrypoint's result object → ChunkOutcome (as train_chunk returns it)
@@ -28,15 +28,15 @@ from prefect import get_run_logger, task
 from prefect.states import Cancelled
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.engine_process import InfrastructureFailure
-from tasks.modelarts import (
+from tasks.engine_job.process import InfrastructureFailure
+from tasks.modelarts.client import (
     JobOutcome, JobResult, ModelArtsError, ModelArtsJobSpec, load_credentials, make_client, run_modelarts_job,
     show_job,
 )
-from tasks.modelarts_entrypoint import RETRYABLE_EXIT_CODES, ChunkSpec
-from tasks.run_layout import EngineJob, RunLayout
+from tasks.modelarts.entrypoint import RETRYABLE_EXIT_CODES, ChunkSpec
+from tasks.engine_job.layout import EngineJob, RunLayout
 from tasks.storage import open_storage
-from tasks.storage_errors import TransientStorageError
+from tasks.storage.errors import TransientStorageError
 from tasks.train_chunk import ChunkOutcome, chunk_cache_key
 
 # OBS settings the container needs to reach the storage root; credentials are forwarded only when listed.

@@ -1,6 +1,6 @@
 """train_chunk: one resumable slice of the RL run, as a cached, retried Prefect task.
 
-The engine runs `run_chunk` in a child process (tasks.engine_process) on a private local Ray cluster or the
+The engine runs `run_chunk` in a child process (tasks.engine_job.process) on a private local Ray cluster or the
 given address. Its local checkpoint directory is stable per run, so a chunk killed midway resumes from its
 last in-chunk checkpoint; the chunk's end checkpoint is committed to the storage root, and the returned
 ChunkOutcome is persisted there too. Cache key = input checkpoint manifest hash + config hash + rollout
@@ -17,11 +17,11 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from tasks.checkpoint_history import fetch_history, open_checkpoint, upload_history
-from tasks.engine_process import is_infrastructure_failure, run_engine_job
-from tasks.run_layout import EngineJob, RunLayout, localize
+from tasks.engine_job.checkpoint_history import fetch_history, open_checkpoint, upload_history
+from tasks.engine_job.process import is_infrastructure_failure, run_engine_job
+from tasks.engine_job.layout import EngineJob, RunLayout, localize
 from tasks.storage import join_key, open_storage
-from vime_engine import checkpoint as ckpt
+from vime_engine.checkpoint import store as ckpt
 
 # Attributes of this task's log records, beside the message, for a console that follows the run in process.
 ROLLOUT_RECORD = "vimeflow_rollout"  # the metrics record of one rollout (or evaluation)
@@ -43,7 +43,7 @@ class ChunkOutcome:
     wall_seconds: float
     storage_manifest_sha256: str = ""
     attempts: list[str] = field(default_factory=list)
-    reference_seconds: float | None = None  # tasks.regression.reference_seconds, timed before training
+    reference_seconds: float | None = None  # tasks.engine_job.speed_probe.reference_seconds, timed before training
 
 
 def chunk_cache_key(context, parameters: dict[str, Any]) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vime_engine import checkpoint as ckpt
+from vime_engine.checkpoint import store as ckpt
 from vime_engine.config import ConfigError, EngineConfig
-from vime_engine.run_history import HISTORY_FILE, saved_records
+from vime_engine.checkpoint.run_history import HISTORY_FILE, saved_records
 from vime_engine.runtime.driver import train
 
 

@@ -24,12 +24,11 @@ from typing import Literal
 
 import torch
 
-from vime_engine.runtime.devices import CPU, Accelerator, prepare_accelerator
+from vime_engine.devices.accelerator import CPU, Accelerator, prepare_accelerator
+from vime_engine.train.megatron_hf import MARKER, copy_non_weight_files
 
 Direction = Literal["hf_to_megatron", "megatron_to_hf"]
-MARKER = "conversion.json"
 LOGPROB_TOLERANCE = 1e-5
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
 class ConversionError(RuntimeError):
@@ -124,15 +123,6 @@ def _megatron_to_hf(mm, source: Path, dest: Path, accelerator: Accelerator) -> t
     mm.save_hf_weights(weights, dest)
     copy_non_weight_files(hf_config_dir, dest)
     return _verify(mm, arch, model, hf_dir=dest)
-
-
-def copy_non_weight_files(source: Path, dest: Path) -> None:
-    """Config, generation config, tokenizer and chat template: everything but the weight files."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for path in source.iterdir():
-        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name != MARKER:
-            if "index.json" not in path.name:
-                shutil.copy2(path, dest / path.name)
 
 
 def _verify(mm, arch, model, hf_dir: Path) -> tuple[float, float, float]:

@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from vime_engine import checkpoint as ckpt
+from vime_engine.checkpoint import store as ckpt
 from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.data.datasets import DatasetError, read_prompt_rows
 from vime_engine.data.prompt_length import FLAG as MAX_PROMPT_FLAG
@@ -178,7 +178,8 @@ def _check_plugins(cfg: EngineConfig) -> None:
     """The reward types exist, and the user's functions (the reward and vime's hooks) import with the signatures
     their flags call them with: a typo fails here, not in a worker."""
     from vime_engine.rewards import BUILTIN_REWARDS, REMOTE_RM, run_reward
-    from vime_engine.vime_hooks import load_rollout_hooks, load_trainer_hooks
+    from vime_engine.rollout.vime_hooks import load_rollout_hooks
+    from vime_engine.train.vime_hooks import load_trainer_hooks
 
     known = [*BUILTIN_REWARDS, REMOTE_RM]
     train_rm = None if cfg.reward.custom_rm_path else cfg.reward.rm_type  # a custom reward takes precedence

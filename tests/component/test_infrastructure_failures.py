@@ -15,10 +15,10 @@ import psutil
 import pytest
 import ray.exceptions as rex
 
-from tasks.chunk_runner import (
+from tasks.engine_job.runner import (
     EXIT_CODE_ERROR, EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, LOST, exit_code_for, is_infrastructure_error,
 )
-from tasks.engine_process import (
+from tasks.engine_job.process import (
     EngineCodeFailure, EngineConfigFailure, InfrastructureFailure, failure_for_exit, run_engine_job,
 )
 from vime_engine.config import ConfigError
@@ -106,10 +106,10 @@ def _listening_addresses(procs: list[psutil.Process]) -> set[str]:
 
 
 def _engine_tree() -> list[psutil.Process]:
-    """The `tasks.chunk_runner` child of this process and everything under it (not the session's servers)."""
+    """The `tasks.engine_job.runner` child of this process and everything under it (not the session's servers)."""
     for child in psutil.Process(os.getpid()).children():
         try:
-            if "tasks.chunk_runner" in child.cmdline():
+            if "tasks.engine_job.runner" in child.cmdline():
                 return [child, *child.children(recursive=True)]
         except psutil.Error:
             pass

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tasks.modelarts import (
+from tasks.modelarts.client import (
     ENV_AK,
     ENV_PROJECT_ID,
     ENV_SK,
@@ -27,7 +27,7 @@ from tasks.modelarts import (
     stop_job,
     submit_modelarts_job,
 )
-from tasks.modelarts_logs import LogTail
+from tasks.modelarts.logs import LogTail
 from tests.support.modelarts_server import ModelArtsServer
 
 AK, SK, PROJECT = "AKVIMEFLOWTEST0042", "sk-VeRy-SeCrEt-0042-xyz", "proj-0a1b2c"

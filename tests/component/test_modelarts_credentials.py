@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from tasks.modelarts import (
+from tasks.modelarts.client import (
     ENV_AK, ENV_PROJECT_ID, ENV_SK, JobOutcome, ModelArtsError, ModelArtsJobSpec, run_modelarts_job,
 )
 from tasks.submit_modelarts import ModelArtsSettings, modelarts_client

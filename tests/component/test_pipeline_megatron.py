@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from flows.params import EvaluationSettings, StorageTarget, load_params
-from tasks.run_layout import make_layout
-from vime_engine import checkpoint as ckpt
+from tasks.engine_job.layout import make_layout
+from vime_engine.checkpoint import store as ckpt
 from vime_engine.config import from_flat
 from vime_engine.train.megatron_hf import is_converted_checkpoint
 

@@ -7,7 +7,7 @@ import pytest
 
 from flows.params import PipelineParams
 from flows.rl_pipeline import chunk_ranges
-from tasks.engine_process import (
+from tasks.engine_job.process import (
     EngineCodeFailure, EngineConfigFailure, InfrastructureFailure, is_infrastructure_failure, run_engine_job,
 )
 from tasks.regression import Band, Baseline, compare, render_diff
@@ -78,7 +78,7 @@ def test_regression_diff_names_what_left_its_band():
 def test_work_dir_of_a_run_whose_storage_was_removed_starts_afresh(tmp_path, monkeypatch):
     import shutil
 
-    from tasks.run_layout import bind_work_dir, make_layout
+    from tasks.engine_job.layout import bind_work_dir, make_layout
 
     monkeypatch.setenv("VIMEFLOW_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "runs-root"

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vime_engine.checkpoint import DRIVER_STATE, find_latest
-from vime_engine.run_history import HISTORY_FILE
+from vime_engine.checkpoint.store import DRIVER_STATE, find_latest
+from vime_engine.checkpoint.run_history import HISTORY_FILE
 from vime_engine.runtime.run_state import BUFFER_FILE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,7 +127,7 @@ def test_kills_during_generation_optimizer_step_and_checkpoint_write_resume_bit_
     _run(config, fault="torch.optim.adamw:AdamW.step:3")
     assert find_latest(tmp_path / "ckpt").rollout_id == 1
     # Resumed at rollout 2; killed while its checkpoint is written (files there, manifest not yet).
-    _run(config, fault="vime_engine.checkpoint:build_manifest:1")
+    _run(config, fault="vime_engine.checkpoint.store:build_manifest:1")
     assert find_latest(tmp_path / "ckpt").rollout_id == 1
     assert list((tmp_path / "ckpt").glob(".rollout_0000002.partial-*")), "the interrupted save left no trace"
     # Rollout 2's history lines went to the file before its manifest; the resume cuts them off again.

@@ -11,10 +11,10 @@ import pytest
 import ray
 import torch
 
-from vime_engine.config import build_config
+from vime_engine.config import build_config, with_overrides
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import train_plan
-from vime_engine.runtime.devices import CPU
+from vime_engine.devices.accelerator import CPU
 from vime_engine.runtime.workers import Workers
 
 RECORDS = [PromptRecord([{"role": "user", "content": f"What is {a} + {b}?"}], str(a + b)) for a, b in
@@ -51,7 +51,7 @@ def _run_to_end(stream) -> list[list]:
 
 def test_two_engines_sample_like_one_and_a_sync_reaches_both(cfg, cluster):
     plan = train_plan(cfg)
-    with Workers(cfg.with_overrides(rollout_num_gpus=2), CPU) as workers:
+    with Workers(with_overrides(cfg, rollout_num_gpus=2), CPU) as workers:
         assert len(workers.rollout.engines) == 2
         workers.sync_weights(0)
         # M=1: what a group of one engine does, one engine generating every group (RolloutGroup.generate's call).
@@ -82,7 +82,7 @@ def test_two_colocated_ranks_each_hold_an_engine_that_samples_like_one_and_loads
     """--colocate with two data-parallel trainer ranks: engine i lives in rank i's actor, the pair samples what one
     engine does, and every sync loads the trained weights into both (each rank walks its own full copy)."""
     plan = train_plan(cfg)
-    with Workers(cfg.with_overrides(colocate=True, actor_num_gpus_per_node=2), CPU) as workers:
+    with Workers(with_overrides(cfg, colocate=True, actor_num_gpus_per_node=2), CPU) as workers:
         assert workers.rollout.engines == workers.trainer.actors() and len(workers.rollout.engines) == 2
         workers.sync_weights(0)
         one = ray.get(workers.rollout.engines[1].generate.remote(RECORDS, 0, 0, plan))

@@ -16,7 +16,7 @@ import torch
 from vime_engine.config import ConfigError, build_config
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import train_plan
-from vime_engine.runtime.devices import CPU
+from vime_engine.devices.accelerator import CPU
 from vime_engine.runtime.workers import Workers
 
 RECORDS = [PromptRecord([{"role": "user", "content": f"What is {a} + {b}?"}], str(a + b)) for a, b in

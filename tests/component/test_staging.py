@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vime_engine.manifest import MANIFEST_NAME
+from vime_engine.checkpoint.manifest import MANIFEST_NAME
 from tasks.staging import fetch, parse_source, stage_dataset, stage_model
 from tasks.storage import NotFoundError, PermanentStorageError, open_storage
 from tests.support.prefect_server import task_attempts

@@ -10,7 +10,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from vime_engine.manifest import MANIFEST_NAME, Manifest
+from vime_engine.checkpoint.manifest import MANIFEST_NAME, Manifest
 from tasks.storage import (
     IntegrityError, NotFoundError, PermanentStorageError, Storage, TransientStorageError, open_storage,
 )

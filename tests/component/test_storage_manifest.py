@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from vime_engine.manifest import FileEntry, Manifest, check_relpath, digest_file, part_size_for
-from tasks.storage_errors import (
+from vime_engine.checkpoint.manifest import FileEntry, Manifest, check_relpath, digest_file, part_size_for
+from tasks.storage.errors import (
     NotFoundError, PermanentStorageError, StorageError, TransientStorageError, classify, with_retries,
 )
 

@@ -17,9 +17,9 @@ import pytest
 from mlflow import MlflowClient
 
 from vime_engine.config import ConfigError, EngineConfig, build_config
-from vime_engine.metrics import MetricsSink
+from vime_engine.tracking.sink import MetricsSink
 from vime_engine.runtime.driver import train
-from vime_engine.tracking import RUN_KEY_FILE
+from vime_engine.tracking.resume import RUN_KEY_FILE
 from vime_engine.tracking.mlflow_tracker import default_tracking_uri
 from vime_engine.tracking.wandb_log import history_rows, read_records, run_logs
 
@@ -43,7 +43,7 @@ def _first_attempt(flags: dict, killed: bool) -> None:
     script = f"""
 import os, json
 from vime_engine.config import build_config
-from vime_engine.metrics import MetricsSink
+from vime_engine.tracking.sink import MetricsSink
 from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.driver import train
 from tests.component.test_tracking import BASELINE, _metrics

@@ -15,9 +15,9 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from vime_engine.checkpoint import CheckpointRef
+from vime_engine.checkpoint.store import CheckpointRef
 from vime_engine.config import ConfigError, build_config
-from vime_engine.runtime.devices import CPU
+from vime_engine.devices.accelerator import CPU
 from vime_engine.runtime.driver import train
 from vime_engine.runtime.trainer_group import TrainerGroup
 

@@ -16,7 +16,7 @@ import ray
 import torch
 
 from vime_engine.config import build_config
-from vime_engine.runtime.devices import CPU
+from vime_engine.devices.accelerator import CPU
 from vime_engine.runtime.trainer_group import TrainerGroup
 from vime_engine.sample import Sample
 

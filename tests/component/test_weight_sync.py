@@ -11,10 +11,10 @@ import ray
 import torch
 import pytest
 
-from vime_engine.config import build_config
+from vime_engine.config import build_config, with_overrides
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import train_plan
-from vime_engine.runtime.devices import CPU
+from vime_engine.devices.accelerator import CPU
 from vime_engine.runtime.workers import Workers
 from vime_engine.weight_sync.buckets import TensorSpec, flatten, plan_buckets, unflatten
 
@@ -41,7 +41,7 @@ def _max_gap(workers: Workers, samples) -> float:
 
 @pytest.mark.parametrize("kind", ["object_store", "broadcast"])
 def test_sync_makes_rollout_log_probs_match_trainer(cfg, cluster, kind):
-    with Workers(cfg.with_overrides(weight_sync=kind, colocate=False), CPU) as workers:
+    with Workers(with_overrides(cfg, weight_sync=kind, colocate=False), CPU) as workers:
         assert workers.weight_sync.kind == kind
         plan = train_plan(cfg)
         workers.sync_weights(0)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.modelarts_entrypoint import ClusterEnv, parse_cluster_env
+from tasks.modelarts.entrypoint import ClusterEnv, parse_cluster_env
 from tests.e2e.conftest import REPO, DeployedRun, tiny_parameters
 from tests.support.modelarts_server import ModelArtsServer
 from tests.support.prefect_server import PrefectAPI, task_runs_of, wait_for_flow_run
@@ -91,7 +91,7 @@ def _submit(api: PrefectAPI, modelarts: ModelArtsServer, moto: str, bucket: str,
 
 
 def _obs(moto: str, bucket: str):
-    from tasks.storage_obs import ObsStorage
+    from tasks.storage.obs import ObsStorage
 
     return ObsStorage(bucket, "ma-lost", server=moto, access_key=TEST_ACCESS_KEY, secret_key=TEST_SECRET_KEY,
                       region="us-east-1", path_style=True)

@@ -73,7 +73,7 @@ def test_every_stage_ran_and_the_published_report_is_consistent(prefect_api: Pre
     assert progress == [50.0, 100.0]  # one per chunk: chunk 1 ends half way, chunk 2 at the end
 
     # The engine's output (Ray, its workers, vLLM) went to one log a job under the run's work dir.
-    from tasks.run_layout import make_layout
+    from tasks.engine_job.layout import make_layout
     from vime_engine.assets import cache_dir
 
     layout = make_layout(deployed_run.storage_root.as_uri(), lineage["config"]["identity_hash"][:12])

@@ -33,7 +33,7 @@ def _latest_flow_run(api: PrefectAPI, after: set[str]) -> dict:
 
 
 def test_killed_run_resumes_and_ends_bit_identical(prefect_api: PrefectAPI, deployed_run: DeployedRun, tmp_path):
-    from tasks.run_layout import make_layout
+    from tasks.engine_job.layout import make_layout
 
     root = tmp_path / "storage"
     params = tiny_parameters(root.as_uri())

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.megatron.helpers import fixed_rollout, tiny_config
-from vime_engine.manifest import build_manifest
+from vime_engine.checkpoint.manifest import build_manifest
 from vime_engine.train.megatron_backend import MegatronTrainBackend
 from vime_engine.train.torch_backend import TorchTrainBackend
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vime_engine.runtime.devices import CPU
+from vime_engine.devices.accelerator import CPU
 from vime_engine.train import megatron_model as mm
 from vime_engine.train.megatron_hf import HFArchitecture, UnsupportedHFModel, hf_tensors, megatron_shard
 

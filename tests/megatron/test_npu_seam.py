@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vime_engine.runtime.devices import NPU, AcceleratorSetupError, prepare_accelerator, resolve_accelerator
+from vime_engine.devices.accelerator import NPU, AcceleratorSetupError, prepare_accelerator, resolve_accelerator
 
 ROOT = Path(__file__).resolve().parents[2]
 _STANDINS = {
@@ -30,7 +30,7 @@ _STANDINS = {
 }
 _PROGRAM = """
 import json, os, sys
-from vime_engine.runtime.devices import NPU, prepare_accelerator
+from vime_engine.devices.accelerator import NPU, prepare_accelerator
 prepare_accelerator(NPU, local_rank=3)
 import megatron.core
 print(json.dumps({k: os.environ.get(k) for k in

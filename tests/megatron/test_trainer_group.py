@@ -15,7 +15,7 @@ import ray
 
 from tests.megatron.cpu_compat import shimmed_ray_cluster
 from tests.megatron.helpers import fixed_rollout, tiny_config
-from vime_engine.runtime.devices import CPU
+from vime_engine.devices.accelerator import CPU
 from vime_engine.runtime.trainer_group import TrainerGroup
 
 
@@ -65,7 +65,7 @@ def test_group_checkpoint_resumes_in_a_new_group(tiny_qwen3, cluster, tmp_path):
     expected = group.weights()
     group.shutdown()
 
-    from vime_engine.manifest import build_manifest
+    from vime_engine.checkpoint.manifest import build_manifest
 
     resumed = TrainerGroup(tiny_config(tiny_qwen3, **tp2), CPU)
     try:

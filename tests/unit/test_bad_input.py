@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vime_engine import checkpoint as ckpt
+from vime_engine.checkpoint import store as ckpt
 from vime_engine.config import ConfigError, from_flat, load_yaml
 from vime_engine.data.datasets import read_prompt_rows
 from vime_engine.data.prompt_length import load_prompts

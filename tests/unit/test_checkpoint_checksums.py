@@ -10,9 +10,9 @@ import pytest
 import torch
 import xxhash
 
-from vime_engine import checkpoint as ckpt
-from vime_engine.manifest import MANIFEST_NAME, ChecksumMismatch, Manifest
-from vime_engine.tensor_files import read_tensors, write_tensors
+from vime_engine.checkpoint import store as ckpt
+from vime_engine.checkpoint.manifest import MANIFEST_NAME, ChecksumMismatch, Manifest
+from vime_engine.checkpoint.tensor_files import read_tensors, write_tensors
 
 
 def _save(root, rollout_id: int) -> ckpt.CheckpointRef:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tasks.run_layout import DatasetRef, EngineJob
+from tasks.engine_job.layout import DatasetRef, EngineJob
 
 
 def _job(**flags) -> EngineJob:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vime_engine.config import ConfigError, build_config, from_flat, parse_flags
+from vime_engine.config import ConfigError, build_config, from_flat, parse_flags, with_overrides
 
 REQUIRED = {"hf-checkpoint": "/models/m", "prompt-data": "/data/p.jsonl"}
 
@@ -120,17 +120,17 @@ def test_yaml_then_flags(tmp_path):
 
 def test_math_hash_ignores_run_length_but_not_the_learning_rate():
     base = from_flat({**REQUIRED, "num-rollout": 4})
-    assert base.math_hash() == base.with_overrides(num_rollout=40, save="/elsewhere").math_hash()
-    changed = base.with_overrides(lr=1e-3)
+    assert base.math_hash() == with_overrides(base, num_rollout=40, save="/elsewhere").math_hash()
+    changed = with_overrides(base, lr=1e-3)
     assert changed.math_hash() != base.math_hash()
     assert changed.math_diff(base.math_fields()) == ["--lr: 1e-06 -> 0.001"]
-    decaying = base.with_overrides(lr_decay_style="cosine")  # the run length now shapes the LR schedule
-    assert decaying.with_overrides(num_rollout=40).math_hash() != decaying.math_hash()
+    decaying = with_overrides(base, lr_decay_style="cosine")  # the run length now shapes the LR schedule
+    assert with_overrides(decaying, num_rollout=40).math_hash() != decaying.math_hash()
 
 
 def test_math_hash_ignores_the_data_parallel_layout_but_not_the_backend_family():
     base = from_flat({**REQUIRED, "num-rollout": 4})
-    sharded = base.with_overrides(train_backend="fsdp", actor_num_gpus_per_node=2)
+    sharded = with_overrides(base, train_backend="fsdp", actor_num_gpus_per_node=2)
     assert sharded.math_hash() == base.math_hash() and sharded.math_diff(base.math_fields()) == []
-    assert base.with_overrides(train_backend="megatron").math_diff(base.math_fields()) == [
+    assert with_overrides(base, train_backend="megatron").math_diff(base.math_fields()) == [
         "--train-backend: 'torch' -> 'megatron'"]

@@ -10,7 +10,7 @@ import sys
 from rich.console import Console
 
 from flows.console_view import LiveView, engine_warnings_on, failing_pid, log_tail, output_to_file
-from tasks.engine_process import EngineCodeFailure
+from tasks.engine_job.process import EngineCodeFailure
 from tasks.publish import embed_plots
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vime_engine.runtime.devices import cpu_threads
+from vime_engine.devices.accelerator import cpu_threads
 
 
 def test_in_the_synchronous_loop_a_group_splits_every_core_of_its_node():

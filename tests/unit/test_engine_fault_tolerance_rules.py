@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorDiedError
 
-from tasks.chunk_runner import EXIT_INFRASTRUCTURE, exit_code_for
+from tasks.engine_job.runner import EXIT_INFRASTRUCTURE, exit_code_for
 from vime_engine.config import ConfigError, build_config
 from vime_engine.runtime.rollout_group import EngineLost, FaultTolerance, RolloutGroup
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from vime_engine.evaluation import ks_for, pass_at_k, summarize
+from vime_engine.rollout.evaluation import ks_for, pass_at_k, summarize
 from vime_engine.sample import Sample, SampleStatus
 
 

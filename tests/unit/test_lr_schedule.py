@@ -7,6 +7,7 @@ import math
 import pytest
 
 from vime_engine.algorithms.lr_schedule import LRSchedule
+from vime_engine.train.objective import lr_schedule
 from vime_engine.config import build_config
 
 
@@ -30,5 +31,5 @@ def test_cosine_decay_after_warmup():
 def test_decay_length_defaults_to_the_run_and_lr_decay_iters_wins():
     base = {"hf-checkpoint": "m", "prompt-data": "d", "rollout-batch-size": 4, "n-samples-per-prompt": 4,
             "global-batch-size": 8, "num-rollout": 10, "lr-decay-style": "linear"}
-    assert LRSchedule.from_config(build_config([], **base)).decay_steps == 20  # 10 rollouts × 2 steps
-    assert LRSchedule.from_config(build_config([], **base, **{"lr-decay-iters": 7})).decay_steps == 7
+    assert lr_schedule(build_config([], **base)).decay_steps == 20  # 10 rollouts × 2 steps
+    assert lr_schedule(build_config([], **base, **{"lr-decay-iters": 7})).decay_steps == 7

@@ -5,7 +5,7 @@ import ctypes
 import psutil
 import pytest
 
-from vime_engine.memory import _malloc_trim, release_free_heap
+from vime_engine.devices.host_memory import _malloc_trim, release_free_heap
 
 BLOCK = 64 * 1024  # below glibc's mmap threshold: served from the heap, not mapped on its own
 GAPS = 1600  # 100 MiB freed between live blocks

@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from tasks.chunk_runner import EXIT_CODE_ERROR, EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, LOST
-from tasks.modelarts_entrypoint import RETRYABLE_EXIT_CODES, head_exit_code
+from tasks.engine_job.runner import EXIT_CODE_ERROR, EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, LOST
+from tasks.modelarts.entrypoint import RETRYABLE_EXIT_CODES, head_exit_code
 from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE
 
 LOST_RESULT = {"error": {"kind": LOST, "message": "the engine process ended without reporting"}}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vime_engine.config import ConfigError, build_config
-from vime_engine.metrics import rollout_metrics
+from vime_engine.rollout.metrics import rollout_metrics
 from vime_engine.rollout.custom_generate import (
     TOOL_CALLS, check_returned, load_generate_function, model_turns, request_seed,
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vime_engine.metrics import version_metrics
+from vime_engine.rollout.metrics import version_metrics
 from vime_engine.rollout.partial import continuation, extend
 from vime_engine.sample import Sample, SampleStatus
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vime_engine.config import ConfigError, build_config
+from vime_engine.config import ConfigError, build_config, with_overrides
 from vime_engine.rewards import RemoteReward, RewardInput, get_batch_reward
 
 BASE = {"hf-checkpoint": "m", "prompt-data": "d.jsonl"}
@@ -29,7 +29,7 @@ def test_remote_rm_needs_an_http_url_and_the_url_needs_remote_rm():
 
 def test_rm_url_does_not_change_the_math_of_a_run():
     one = build_config([], **BASE, **{"rm-type": "remote_rm", "rm-url": URL})
-    other = one.with_overrides(rm_url="http://10.0.0.1:9000/")
+    other = with_overrides(one, rm_url="http://10.0.0.1:9000/")
     assert one.math_hash() == other.math_hash()
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from tasks.evaluate import EvalOutcome, final_eval_metrics
 from tasks.publish import gate_metrics, render_report, summarize
-from tasks.run_layout import DatasetRef, EngineJob, RunLayout
+from tasks.engine_job.layout import DatasetRef, EngineJob, RunLayout
 from tasks.train_chunk import ChunkOutcome
 from vime_engine.data import BUILTIN_DATASETS
 

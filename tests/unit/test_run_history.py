@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from vime_engine import checkpoint as ckpt
-from vime_engine.run_history import (
+from vime_engine.checkpoint import store as ckpt
+from vime_engine.checkpoint.run_history import (
     HISTORY_FILE, MARK_KEY, HistoryError, HistoryMark, RunHistory, read_checked, saved_records,
 )
 
@@ -113,7 +113,7 @@ def test_without_a_checkpoint_directory_the_history_stays_in_memory():
 
 def test_the_history_travels_with_checkpoints_committed_to_storage_and_fetched_elsewhere(tmp_path):
     """Committed like train_chunk commits a chunk's end checkpoint; fetched like the next chunk on another machine."""
-    from tasks.checkpoint_history import fetch_history, open_checkpoint, read_history, upload_history
+    from tasks.engine_job.checkpoint_history import fetch_history, open_checkpoint, read_history, upload_history
     from tasks.storage import open_storage
 
     local = tmp_path / "machine-a"

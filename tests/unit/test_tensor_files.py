@@ -10,8 +10,8 @@ import torch
 import xxhash
 from safetensors.torch import load_file
 
-from vime_engine.manifest import ChecksumMismatch
-from vime_engine.tensor_files import join_tensors, read_tensors, split_tensors, write_tensors
+from vime_engine.checkpoint.manifest import ChecksumMismatch
+from vime_engine.checkpoint.tensor_files import join_tensors, read_tensors, split_tensors, write_tensors
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vime_engine.config import ConfigError, build_config
-from vime_engine.tracking import RUN_KEY_FILE, HeldSteps, run_key
+from vime_engine.tracking.resume import RUN_KEY_FILE, HeldSteps, run_key
 from vime_engine.tracking.mlflow_tracker import mlflow_name
 from vime_engine.tracking.wandb_log import read_records
 from vime_engine.tracking.wandb_tracker import held_in_rows, held_in_summary

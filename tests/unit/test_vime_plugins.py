@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from vime_engine.algorithms.advantages import AdvantageInputs, group_normalized_advantages, masked_whiten
-from vime_engine.config import ConfigError, build_config
+from vime_engine.config import ConfigError, build_config, with_overrides
 from vime_engine.preflight import PreflightError, preflight
 from vime_engine.rewards import RewardInput, run_reward
 from vime_engine.rewards.custom import load_sample_reward
 from vime_engine.rollout.dynamic_sampling import CarryOver, FinishedRound, collect_groups, load_group_filter
 from vime_engine.sample import Sample, SampleStatus
-from vime_engine.vime_args import vime_args
-from vime_engine.vime_hooks import load_rollout_hooks, load_trainer_hooks
+from vime_engine.plugins.vime_args import vime_args
+from vime_engine.rollout.vime_hooks import load_rollout_hooks
+from vime_engine.train.vime_hooks import load_trainer_hooks
 
 PLUGINS = "tests/support/vime_plugins.py"
 
@@ -194,7 +195,7 @@ def test_custom_advantage_function_gets_vime_rollout_data_and_sets_the_advantage
     assert torch.equal(result.advantages, torch.stack([expected[0], expected[0] * 0, expected[1]]))
     assert torch.equal(result.returns, result.advantages)
 
-    whitened = cfg.with_overrides(normalize_advantages=True)
+    whitened = with_overrides(cfg, normalize_advantages=True)
     again = load_trainer_hooks(whitened).advantages(whitened, samples, inputs, LOG_PROBS)
     assert torch.allclose(again.advantages, masked_whiten(result.advantages, inputs.loss_mask))
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vime_engine.config import EngineConfig
-
 
 @dataclass(frozen=True)
 class LRSchedule:
@@ -23,12 +21,6 @@ class LRSchedule:
     warmup_steps: int = 0
     decay_steps: int = 1
     style: str = "constant"  # constant | linear | cosine
-
-    @classmethod
-    def from_config(cls, cfg: EngineConfig) -> LRSchedule:
-        t = cfg.train
-        run_steps = cfg.rollout.num_rollout * (cfg.samples_per_rollout // cfg.global_batch_size)
-        return cls(t.lr, t.min_lr, t.lr_warmup_iters, max(1, t.lr_decay_iters or run_steps), t.lr_decay_style)
 
     def learning_rate(self, step: int) -> float:
         if step < self.warmup_steps:

@@ -15,7 +15,7 @@ from vime_engine.config.build import build_config
 from vime_engine.config.engine_config import NON_MATH_FIELDS, EngineConfig
 from vime_engine.config.errors import ConfigError
 from vime_engine.config.flags import parse_flags
-from vime_engine.config.flat_values import from_flat
+from vime_engine.config.flat_values import from_flat, with_overrides
 from vime_engine.config.megatron_flags import MEGATRON_FLAGS
 from vime_engine.config.sections import (
     SECTIONS, AdvantageEstimator, AlgorithmConfig, CheckpointConfig, DataConfig, EvalConfig, KLType, LoggingConfig,
@@ -27,5 +27,5 @@ __all__ = [
     "MEGATRON_FLAGS", "NON_MATH_FIELDS", "SECTIONS", "AdvantageEstimator", "AlgorithmConfig", "CheckpointConfig",
     "ConfigError", "DataConfig", "EngineConfig", "EvalConfig", "KLType", "LoggingConfig", "ModelConfig",
     "PlacementConfig", "RewardConfig", "RolloutConfig", "TrainConfig", "build_config", "from_flat", "load_yaml",
-    "parse_flags",
+    "parse_flags", "with_overrides",
 ]

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vime_engine.config.checks import check_combinations
 from vime_engine.config.errors import flag_name
 from vime_engine.config.sections import (
     SECTIONS, AlgorithmConfig, CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, PlacementConfig,
@@ -54,9 +55,6 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> EngineConfig:
-        # Imported here: the checks read the config package's types and errors, so it must be loaded first.
-        from vime_engine.config_checks import check_combinations
-
         check_combinations(self)
         return self
 
@@ -141,12 +139,3 @@ class EngineConfig(BaseModel):
             for k in keys
             if mine.get(k) != saved_math_fields.get(k)
         )
-
-    def with_overrides(self, **flat_values: Any) -> EngineConfig:
-        """A copy with some flat fields replaced (validated)."""
-        # Imported here: from_flat builds an EngineConfig, so its module loads this one first.
-        from vime_engine.config.flat_values import from_flat
-
-        values = self.flat()
-        values.update(flat_values)
-        return from_flat(values)

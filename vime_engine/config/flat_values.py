@@ -64,3 +64,8 @@ def unknown_flags_message(flags: list[str]) -> str:
         close = difflib.get_close_matches(flag, known, n=1)
         parts.append(f"unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else ""))
     return "; ".join(parts)
+
+
+def with_overrides(cfg: EngineConfig, **flat_values: Any) -> EngineConfig:
+    """A copy of `cfg` with some flat fields replaced (validated)."""
+    return from_flat({**cfg.flat(), **flat_values})

@@ -47,7 +47,7 @@ class RolloutConfig(_Section):
     dynamic_sampling_filter_path: str | None = Field(
         None, description="keep a group? `(args, samples) -> bool | DynamicFilterOutput` (vime) or `(group) -> bool`"
     )
-    # vime's rollout hooks (module:function or file.py:function; vime_engine/vime_hooks.py calls them).
+    # vime's rollout hooks (module:function or file.py:function; vime_engine/rollout/vime_hooks.py calls them).
     buffer_filter_path: str | None = Field(
         None, description="`(args, rollout_id, buffer, num_samples) -> groups`: which cut-off groups resume first"
     )

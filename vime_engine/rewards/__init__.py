@@ -14,7 +14,7 @@ from vime_engine.rewards.deepscaler import THINK_END, deepscaler_reward
 from vime_engine.rewards.gsm8k import final_number, gsm8k_reward
 from vime_engine.rewards.math import math_reward
 from vime_engine.rewards.remote import RemoteReward, RemoteRewardError
-from vime_engine.vime_args import vime_args
+from vime_engine.plugins.vime_args import vime_args
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math": math_reward,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vime_engine.plugins import check_callable, gather_plugin, import_function, parameter_names
+from vime_engine.plugins.loading import check_callable, gather_plugin, import_function, parameter_names
 from vime_engine.rewards.batch import PerSampleReward, RewardInput
 
 RewardFn = Callable[[str, str], float]

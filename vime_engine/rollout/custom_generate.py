@@ -3,7 +3,7 @@ our step-driven vLLM engine, e.g. a multi-turn agent that calls tools between th
 
 How a generate function reaches the engine. slime's and vime's functions POST `{"input_ids", "sampling_params"}`
 to an SGLang router; ours call `await args.rollout_engine.generate(input_ids, sampling_params)`, an in-process
-client of the rollout worker's engine (`args` is vime's read-only namespace, vime_engine/vime_args.py, with this
+client of the rollout worker's engine (`args` is vime's read-only namespace, vime_engine/plugins/vime_args.py, with this
 one attribute added). It returns a `GenerateOutput` whose `meta_info` has SGLang's shape (`output_token_logprobs`,
 `finish_reason`, `weight_version`), so porting a slime function means replacing its `post(url, payload)` line.
 We chose a call over an HTTP endpoint for three reasons: (1) determinism, below; (2) partial rollout: when the
@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vime_engine.plugins import check_callable, import_function
+from vime_engine.plugins.loading import check_callable, import_function
 from vime_engine.rollout.vllm_engine import Request, SamplingSettings, VLLMEngine
 from vime_engine.sample import Sample, SampleStatus
 

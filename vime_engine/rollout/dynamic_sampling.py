@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from vime_engine.plugins import check_callable, import_function, parameter_names
+from vime_engine.plugins.loading import check_callable, import_function, parameter_names
 from vime_engine.sample import Sample
 
 GroupFilter = Callable[[list[Sample]], Any]  # a bool, or vime's DynamicFilterOutput (`keep`, `reason`)

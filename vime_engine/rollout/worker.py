@@ -19,7 +19,7 @@ import torch
 from vime_engine.config import EngineConfig
 from vime_engine.data.chat import render_prompt
 from vime_engine.data.records import PromptRecord
-from vime_engine.memory import release_free_heap
+from vime_engine.devices.host_memory import release_free_heap
 from vime_engine.rewards import BatchRewardFn, RewardInput, extract_answer, get_batch_reward, run_reward
 from vime_engine.rollout.custom_generate import CustomRound, EngineClient, load_generate_function
 from vime_engine.rollout.partial import continuation, extend
@@ -94,7 +94,7 @@ class RolloutWorker:
         path = r.custom_generate_function_path
         self._generate_fn = load_generate_function(path) if path else None
         if self._generate_fn:
-            from vime_engine.vime_args import vime_args
+            from vime_engine.plugins.vime_args import vime_args
 
             self._client = EngineClient(self.engine, r.rollout_temperature, r.rollout_max_context_len, self.tokenizer)
             self._args = vime_args(cfg, rollout_engine=self._client)
@@ -113,7 +113,7 @@ class RolloutWorker:
     ) -> None:
         """Start a round: the unfinished samples of `resumed` groups first, then a group per record (numbered
         from `first_group`); nothing is generated until `advance`."""
-        release_free_heap()  # the last round's activations, of other shapes than this round's (vime_engine.memory)
+        release_free_heap()  # the last round's activations, of other shapes than this round's (vime_engine.devices.host_memory)
         groups = resumed + [self._new_group(r, first_group + i, plan.n_samples) for i, r in enumerate(records)]
         requests, jobs, s = [], [], plan.sampling
         for group in groups:

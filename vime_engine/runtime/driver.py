@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vime_engine.config import EngineConfig
-from vime_engine.metrics import rollout_metrics, version_metrics
+from vime_engine.rollout.metrics import rollout_metrics, version_metrics
 from vime_engine.preflight import check_datasets, check_inputs
 from vime_engine.rollout.dynamic_sampling import collect_groups
 from vime_engine.runtime.cluster import ray_cluster
-from vime_engine.runtime.devices import Accelerator, resolve_accelerator
+from vime_engine.devices.accelerator import Accelerator, resolve_accelerator
 from vime_engine.runtime.placement import with_placement_decided
 from vime_engine.runtime.preemption import Preempted, PreemptionGuard
 from vime_engine.runtime.run_state import RunContext, run_evaluations

@@ -16,7 +16,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from vime_engine.config import ConfigError, EngineConfig
-from vime_engine.runtime.devices import Accelerator
+from vime_engine.devices.accelerator import Accelerator
 
 PLACEMENT_TIMEOUT_S = 120
 

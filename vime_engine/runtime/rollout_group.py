@@ -49,7 +49,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vime_engine.config import EngineConfig
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
-from vime_engine.runtime.devices import Accelerator, use_cpu_share
+from vime_engine.devices.accelerator import Accelerator, use_cpu_share
 from vime_engine.runtime.placement import (
     PLACEMENT_TIMEOUT_S, actor_resources, bundle_resources, describe, reserve, wait_until_placed,
 )

@@ -8,21 +8,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vime_engine import checkpoint as ckpt
+from vime_engine.checkpoint import store as ckpt
 from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.data.prompt_length import load_prompts
 from vime_engine.data.records import PromptRecord
 from vime_engine.data.source import DataSource
-from vime_engine.evaluation import summarize, write_results
-from vime_engine.manifest import ChecksumMismatch
-from vime_engine.metrics import MetricsSink
+from vime_engine.rollout.evaluation import summarize, write_results
+from vime_engine.checkpoint.manifest import ChecksumMismatch
+from vime_engine.tracking.sink import MetricsSink
 from vime_engine.rollout.dynamic_sampling import CarryOver, FinishedRound, GroupFilter, RoundStream
 from vime_engine.rollout.vllm_engine import SamplingSettings
 from vime_engine.rollout.worker import GenerationPlan, train_plan
-from vime_engine.run_history import HISTORY_FILE, MARK_KEY, HistoryError, HistoryMark, RunHistory, read_checked
+from vime_engine.checkpoint.run_history import HISTORY_FILE, MARK_KEY, HistoryError, HistoryMark, RunHistory, read_checked
 from vime_engine.runtime.workers import Workers
 from vime_engine.sample import Sample
-from vime_engine.vime_hooks import load_rollout_hooks
+from vime_engine.rollout.vime_hooks import load_rollout_hooks
 
 log = logging.getLogger(__name__)
 BUFFER_FILE = "buffer.pkl"

@@ -25,8 +25,8 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime_engine.config import ConfigError, EngineConfig
-from vime_engine.manifest import FileEntry
-from vime_engine.runtime.devices import Accelerator, use_cpu_share
+from vime_engine.checkpoint.manifest import FileEntry
+from vime_engine.devices.accelerator import Accelerator, use_cpu_share
 from vime_engine.runtime.placement import actor_resources, bundle_node_ids, bundle_resources, describe, reserve
 from vime_engine.sample import Sample
 from vime_engine.train.backend import TrainBackend, build_train_backend

@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 from vime_engine.config import EngineConfig
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
-from vime_engine.runtime.devices import Accelerator
+from vime_engine.devices.accelerator import Accelerator
 from vime_engine.runtime.placement import check_nodes_see, device_nodes, nodes_of, with_placement_decided
 from vime_engine.runtime.rollout_group import FaultTolerance, GroupRound, PendingSamples, RolloutGroup
 from vime_engine.runtime.trainer_group import RankAddress, TrainerGroup, TrainerRank

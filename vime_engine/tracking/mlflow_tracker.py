@@ -22,7 +22,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
 from vime_engine.config import ConfigError, LoggingConfig
-from vime_engine.tracking import DEFAULT_PROJECT, HeldSteps
+from vime_engine.tracking.resume import DEFAULT_PROJECT, HeldSteps
 
 log = logging.getLogger(__name__)
 RUN_KEY_TAG = "vime.run_key"

@@ -16,7 +16,7 @@ from typing import Any
 import wandb
 
 from vime_engine.config import LoggingConfig
-from vime_engine.tracking import DEFAULT_PROJECT, HeldSteps
+from vime_engine.tracking.resume import DEFAULT_PROJECT, HeldSteps
 from vime_engine.tracking.wandb_log import history_rows, run_logs
 
 log = logging.getLogger(__name__)

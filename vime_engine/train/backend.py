@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 from torch import Tensor
 
 from vime_engine.config import EngineConfig
-from vime_engine.manifest import FileEntry
+from vime_engine.checkpoint.manifest import FileEntry
 from vime_engine.sample import Sample
 
 

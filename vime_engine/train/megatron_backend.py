@@ -27,15 +27,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from vime_engine.algorithms.lr_schedule import LRSchedule
 from vime_engine.algorithms.token_log_probs import token_log_probs_and_entropy
 from vime_engine.config import EngineConfig
-from vime_engine.manifest import ChecksumMismatch, FileEntry, verify_local_tree
-from vime_engine.runtime.devices import prepare_accelerator, resolve_accelerator
+from vime_engine.checkpoint.manifest import ChecksumMismatch, FileEntry, verify_local_tree
+from vime_engine.devices.accelerator import prepare_accelerator, resolve_accelerator
 from vime_engine.sample import Sample
 from vime_engine.train.megatron_hf import is_converted_checkpoint
 from vime_engine.train.micro_batches import derived_max_tokens, plan_micro_batches
-from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference
+from vime_engine.train.objective import MicroBatchOutputs, lr_schedule, micro_batch_loss, needs_reference
 from vime_engine.train.rollout_batch import (
     RolloutBatch,
     build_rollout_batch,
@@ -240,7 +239,7 @@ class MegatronTrainBackend:
 
     def save_hf(self, directory: str | Path, tokenizer_from: str | None = None) -> Path:
         """An HF directory (safetensors + config + tokenizer) of the current weights; collective, rank 0 writes."""
-        from vime_engine.convert import copy_non_weight_files
+        from vime_engine.train.megatron_hf import copy_non_weight_files
 
         directory = Path(directory)
         weights = {name: t.cpu() for name, t in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=False)}
@@ -298,7 +297,7 @@ class _StepSchedule:
     optimizer steps taken, is part of the checkpoint."""
 
     def __init__(self, cfg: EngineConfig, optimizer):
-        self.schedule, self.optimizer, self.num_steps = LRSchedule.from_config(cfg), optimizer, 0
+        self.schedule, self.optimizer, self.num_steps = lr_schedule(cfg), optimizer, 0
         self._apply()
 
     def _apply(self) -> None:

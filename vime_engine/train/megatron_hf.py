@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from vime_engine.train.megatron_model import ParallelLayout
+from vime_engine.train.megatron_layout import ParallelLayout
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # model_type → (q/k/v biases, per-head q/k RMSNorm). Llama's optional biases are refused in `from_hf_config`.
@@ -42,10 +41,21 @@ _FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, T
 # config and tokenizer in HF_CONFIG_DIR/.
 TORCH_DIST_ITERATION_DIR = "iter_0000000"
 HF_CONFIG_DIR = "hf_config"
+MARKER = "conversion.json"  # written last by a conversion that verified its round trip
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
 def is_converted_checkpoint(path: str | Path) -> bool:
     return (Path(path) / TORCH_DIST_ITERATION_DIR).is_dir() and (Path(path) / HF_CONFIG_DIR / "config.json").is_file()
+
+
+def copy_non_weight_files(source: Path, dest: Path) -> None:
+    """Config, generation config, tokenizer and chat template: everything but the weight files."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name != MARKER:
+            if "index.json" not in path.name:
+                shutil.copy2(path, dest / path.name)
 
 
 def architecture_of(path: str | Path) -> HFArchitecture:

@@ -1,7 +1,7 @@
 """Building a Megatron-Core GPT model from an HF directory (the mapping in megatron_hf), and its torch_dist files.
 
 Shared by the Megatron training backend and the checkpoint converter. Import this module only after
-`vime_engine.runtime.devices.prepare_accelerator` ran: on Ascend, MindSpeed's adaptor must patch Megatron before
+`vime_engine.devices.accelerator.prepare_accelerator` ran: on Ascend, MindSpeed's adaptor must patch Megatron before
 the first `megatron` import, and this module imports Megatron at the top.
 """
 
@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
-from vime_engine.runtime.devices import Accelerator
+from vime_engine.devices.accelerator import Accelerator
 from vime_engine.train import megatron_hf as mh
+from vime_engine.train.megatron_layout import MegatronSetupError, ParallelLayout
 from vime_engine.train.megatron_hf import (  # noqa: F401  (the converted layout, re-exported for convert.py)
     HF_CONFIG_DIR,
     TORCH_DIST_ITERATION_DIR,
@@ -26,71 +26,6 @@ from vime_engine.train.megatron_hf import (  # noqa: F401  (the converted layout
     architecture_of,
     is_converted_checkpoint,
 )
-
-
-class MegatronSetupError(ValueError):
-    """A Megatron parallel layout or setting this engine cannot run; the message names the flag."""
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Megatron's parallel flags (`cfg.megatron`, keyed by flag name) as typed values."""
-
-    tensor: int = 1
-    pipeline: int = 1
-    context: int = 1
-    expert: int = 1
-    expert_tensor: int | None = None
-    sequence_parallel: bool = False
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    attention_softmax_in_fp32: bool | None = None  # None: the provider's own choice
-    attention_backend: str | None = None  # megatron.core.transformer.enums.AttnBackend name; None: Megatron's
-    # Gradients reduced across data-parallel ranks in fp32 (exact reductions) unless turned off.
-    grad_reduce_in_fp32: bool = True
-
-    @classmethod
-    def from_flags(cls, flags: dict[str, Any]) -> ParallelLayout:
-        layout = cls(
-            tensor=int(flags.get("tensor-model-parallel-size") or 1),
-            pipeline=int(flags.get("pipeline-model-parallel-size") or 1),
-            context=int(flags.get("context-parallel-size") or 1),
-            expert=int(flags.get("expert-model-parallel-size") or 1),
-            expert_tensor=flags.get("expert-tensor-parallel-size"),
-            sequence_parallel=bool(flags.get("sequence-parallel", False)),
-            recompute_granularity=flags.get("recompute-granularity"),
-            recompute_method=flags.get("recompute-method"),
-            recompute_num_layers=flags.get("recompute-num-layers"),
-            # RL needs the same function for old and new log-probs: dropout off unless asked for.
-            attention_dropout=float(flags.get("attention-dropout") or 0.0),
-            hidden_dropout=float(flags.get("hidden-dropout") or 0.0),
-            attention_softmax_in_fp32=flags.get("attention-softmax-in-fp32"),
-            attention_backend=flags.get("attention-backend"),
-            grad_reduce_in_fp32=flags.get("accumulate-allreduce-grads-in-fp32", True),
-        )
-        if layout.attention_backend is not None:
-            from megatron.core.transformer.enums import AttnBackend
-
-            if layout.attention_backend not in AttnBackend.__members__:
-                raise MegatronSetupError(
-                    f"--attention-backend {layout.attention_backend!r}: expected one of "
-                    f"{', '.join(AttnBackend.__members__)}"
-                )
-        if layout.context != 1:
-            raise MegatronSetupError(
-                "--context-parallel-size > 1 is not supported yet by the Megatron backend "
-                "(it trains on padded batches; context parallelism needs sequence-split packing)"
-            )
-        if layout.sequence_parallel and layout.tensor == 1:
-            raise MegatronSetupError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-        return layout
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tensor * self.pipeline * self.context
 
 
 def init_distributed(accelerator: Accelerator, layout: ParallelLayout, seed: int) -> None:

@@ -21,6 +21,7 @@ from vime_engine.algorithms.losses import (
     tis_weights,
     value_loss,
 )
+from vime_engine.algorithms.lr_schedule import LRSchedule
 from vime_engine.algorithms.token_log_probs import token_log_probs_and_entropy
 from vime_engine.config import EngineConfig
 
@@ -105,3 +106,10 @@ def needs_reference(cfg: EngineConfig) -> bool:
 def response_log_probs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
     """log p(token) under softmax(logits / T): the same quantity vLLM reports as processed log-probs."""
     return token_log_probs_and_entropy(logits, tokens, temperature, with_entropy=False)[0]
+
+
+def lr_schedule(cfg: EngineConfig) -> LRSchedule:
+    """The run's LR schedule; `--lr-decay-iters` defaults to the run's optimizer steps."""
+    t = cfg.train
+    run_steps = cfg.rollout.num_rollout * (cfg.samples_per_rollout // cfg.global_batch_size)
+    return LRSchedule(t.lr, t.min_lr, t.lr_warmup_iters, max(1, t.lr_decay_iters or run_steps), t.lr_decay_style)

@@ -17,7 +17,7 @@ from vime_engine.algorithms.losses import kl_penalty
 from vime_engine.config import EngineConfig
 from vime_engine.sample import Sample
 from vime_engine.train.objective import MicroBatchTargets
-from vime_engine.vime_hooks import load_trainer_hooks
+from vime_engine.train.vime_hooks import load_trainer_hooks
 
 
 @dataclass

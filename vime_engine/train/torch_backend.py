@@ -22,13 +22,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from vime_engine.algorithms.lr_schedule import LRSchedule
 from vime_engine.algorithms.packing import split_to_count
 from vime_engine.algorithms.token_log_probs import token_log_probs_and_entropy
 from vime_engine.config import EngineConfig
-from vime_engine.manifest import FileEntry, read_verified
+from vime_engine.checkpoint.manifest import FileEntry, read_verified
 from vime_engine.sample import Sample
-from vime_engine.tensor_files import join_tensors, read_tensors, split_tensors, write_tensors
+from vime_engine.checkpoint.tensor_files import join_tensors, read_tensors, split_tensors, write_tensors
 from vime_engine.train.data_parallel import DataParallel
 from vime_engine.train.forward_rows import build_forward_rows
 from vime_engine.train.micro_batches import (
@@ -36,7 +35,7 @@ from vime_engine.train.micro_batches import (
     derived_max_tokens,
     plan_shared_prompt_micro_batches,
 )
-from vime_engine.train.objective import MicroBatchOutputs, micro_batch_loss, needs_reference
+from vime_engine.train.objective import MicroBatchOutputs, lr_schedule, micro_batch_loss, needs_reference
 from vime_engine.train.rollout_batch import (
     RolloutBatch,
     build_rollout_batch,
@@ -105,7 +104,7 @@ class TorchTrainBackend:
         self.optimizer = optimizer_class(
             params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
         )
-        schedule = LRSchedule.from_config(cfg)
+        schedule = lr_schedule(cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: schedule.learning_rate(step) / schedule.lr)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from vime_engine.manifest import FileDigest
+from vime_engine.checkpoint.manifest import FileDigest
 
 log = logging.getLogger("vimeflow.storage")
 

@@ -1,52 +1,36 @@
-"""vime's metrics of a rollout, and the one sink they go to (jsonl, TensorBoard, W&B, MLflow)."""
+"""The one sink a run's metrics go to: metrics.jsonl always; TensorBoard, W&B and MLflow when asked."""
 
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from vime_engine.config import EngineConfig
-from vime_engine.rollout.custom_generate import TOOL_CALLS, model_turns
-from vime_engine.sample import Sample, SampleStatus
-from vime_engine.tracking import open_trackers
+from vime_engine.tracking.resume import Tracker, run_key
 
 
-def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
-    """vime's rollout/* metrics of one rollout's samples."""
-    lengths = [s.response_length for s in samples]
-    rewards = [s.reward for s in samples]
-    return {
-        "rollout/raw_reward": statistics.fmean(rewards),
-        "rollout/reward_std": statistics.pstdev(rewards),
-        "rollout/response_len/mean": statistics.fmean(lengths),
-        "rollout/response_len/max": float(max(lengths)),
-        "rollout/response_len/min": float(min(lengths)),
-        "rollout/truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
-        **multi_turn_metrics(samples),
-    }
+def open_trackers(cfg: EngineConfig) -> list[Tracker]:
+    """The trackers `cfg.logging` asks for, each attached to this run's tracker run."""
+    lg = cfg.logging
+    needs_key = (lg.use_wandb and lg.wandb_run_id is None) or (lg.use_mlflow and lg.mlflow_run_id is None)
+    key = run_key(cfg.checkpoint.save) if needs_key else ""
+    trackers: list[Tracker] = []
+    try:
+        if lg.use_wandb:
+            from vime_engine.tracking.wandb_tracker import WandbTracker  # imports wandb: only when asked for
 
+            trackers.append(WandbTracker(lg, lg.wandb_run_id or key, cfg.flat()))
+        if lg.use_mlflow:
+            from vime_engine.tracking.mlflow_tracker import MlflowTracker  # imports mlflow: only when asked for
 
-def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
-    """Where responses hold tool / environment tokens (loss_mask 0), or a generate function counts tool calls:
-    the model's own tokens and turns, and the share of samples that called a tool."""
-    out: dict[str, float] = {}
-    if any(0 in s.loss_mask for s in samples) or any(TOOL_CALLS in s.metadata for s in samples):
-        out["rollout/model_tokens/mean"] = statistics.fmean(sum(s.loss_mask) for s in samples)
-        out["rollout/model_turns/mean"] = statistics.fmean(model_turns(s.loss_mask) for s in samples)
-    if any(TOOL_CALLS in s.metadata for s in samples):
-        out["rollout/tool_call_share"] = sum(s.metadata.get(TOOL_CALLS, 0) > 0 for s in samples) / len(samples)
-    return out
-
-
-def version_metrics(samples: list[Sample], policy_version: int) -> dict[str, float]:
-    """How far behind the trained policy (`policy_version`) the weights that generated the samples were."""
-    return {
-        "rollout/max_staleness": float(max(policy_version - s.weight_version for s in samples)),
-        "rollout/mixed_version_samples": sum(len(s.version_segments) > 1 for s in samples),
-    }
+            trackers.append(MlflowTracker(lg, key, cfg.flat()))
+    except BaseException:
+        for tracker in trackers:
+            tracker.close()
+        raise
+    return trackers
 
 
 class MetricsSink:

@@ -1,4 +1,4 @@
-"""The engine side of a pipeline stage, run as its own process: `python -m tasks.chunk_runner JOB.json`.
+"""The engine side of a pipeline stage, run as its own process: `python -m tasks.engine_job.runner JOB.json`.
 
 A stage runs the engine in a child process so that whatever happens to the engine (SIGTERM preemption, an
 OOM kill, a crashed Ray actor) reaches the Prefect task as an exit code it can classify, instead of taking
@@ -79,8 +79,8 @@ def _error_report(code: int, exc: Exception) -> dict[str, str]:
 
 
 def _train(cfg, job: dict[str, Any]) -> dict[str, Any]:
-    from tasks.regression import reference_seconds
-    from vime_engine import checkpoint as ckpt
+    from tasks.engine_job.speed_probe import reference_seconds
+    from vime_engine.checkpoint import store as ckpt
     from vime_engine.chunk import run_chunk
 
     before = ckpt.find_latest(cfg.checkpoint.save, content=False)

@@ -26,10 +26,10 @@ from obs import (
     ObsClient, PutObjectHeader,
 )
 
-from vime_engine.manifest import FileDigest
-from tasks.storage import ObjectInfo, Storage, join_key
-from tasks.storage_errors import PermanentStorageError, StorageError, TransientStorageError, classify
-from tasks.storage_multipart import PartInfo, md5_b64, upload_resumable
+from vime_engine.checkpoint.manifest import FileDigest
+from tasks.storage.base import ObjectInfo, Storage, join_key
+from tasks.storage.errors import PermanentStorageError, StorageError, TransientStorageError, classify
+from tasks.storage.multipart import PartInfo, md5_b64, upload_resumable
 
 _ENV_AK = ("OBS_ACCESS_KEY_ID", "HUAWEICLOUD_SDK_AK", "AccessKeyID")
 _ENV_SK = ("OBS_SECRET_ACCESS_KEY", "HUAWEICLOUD_SDK_SK", "SecretAccessKey")
@@ -159,7 +159,7 @@ class ObsStorage(Storage):
                                code=getattr(e, "code", None), message=str(getattr(e, "message", "")),
                                secrets=self._secrets)
 
-    # ---- multipart API (tasks.storage_multipart) ----------------------------------------------------------
+    # ---- multipart API (tasks.storage.multipart) ----------------------------------------------------------
     def mpu_find(self, key: str) -> list[str]:
         k = self._key(key)
         body = self._call("list_uploads", key, lambda: self._client.listMultipartUploads(

@@ -1,4 +1,4 @@
-"""Run one engine job (`tasks.chunk_runner`) as a child process and turn its exit into a typed outcome.
+"""Run one engine job (`tasks.engine_job.runner`) as a child process and turn its exit into a typed outcome.
 
 Exit code → what the Prefect task does:
   0                   the job's value
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from tasks.chunk_runner import EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, LOST, RESULT_FILE
+from tasks.engine_job.runner import EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, LOST, RESULT_FILE
 from tasks.retry_policy import retry_on
-from tasks.storage_errors import TransientStorageError
+from tasks.storage.errors import TransientStorageError
 from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -113,14 +113,14 @@ def streams_engine_output() -> bool:
 
 
 def run_chunk_runner(job_path: Path, output: IO[str] | None = None) -> int:
-    """`tasks.chunk_runner` on `job_path` in a child process (its output to `output`, None: ours); its exit code.
+    """`tasks.engine_job.runner` on `job_path` in a child process (its output to `output`, None: ours); its exit code.
 
     A child, because Ray ends its driver process from below Python when the local raylet or object store dies:
     the caller lives on to read the child's result.json and call that a lost engine, not a code error.
     """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-m", "tasks.chunk_runner", str(job_path)], env=env,
+    return subprocess.run([sys.executable, "-m", "tasks.engine_job.runner", str(job_path)], env=env,
                           preexec_fn=_die_with_parent, check=False, stdout=output, stderr=output).returncode
 
 

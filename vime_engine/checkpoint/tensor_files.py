@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from vime_engine.manifest import ChecksumMismatch, FileEntry, LoadCheck
+from vime_engine.checkpoint.manifest import ChecksumMismatch, FileEntry, LoadCheck
 
 _SLICE = 32 << 20  # write/read granularity: small enough for the hash thread to keep pace, large for syscalls
 

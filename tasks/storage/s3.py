@@ -25,10 +25,10 @@ from botocore.config import Config
 from s3transfer.exceptions import RetriesExceededError
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
-from vime_engine.manifest import FileDigest
-from tasks.storage import ObjectInfo, Storage, join_key
-from tasks.storage_errors import PermanentStorageError, StorageError, TransientStorageError, classify
-from tasks.storage_multipart import PartInfo, md5_b64, upload_resumable
+from vime_engine.checkpoint.manifest import FileDigest
+from tasks.storage.base import ObjectInfo, Storage, join_key
+from tasks.storage.errors import PermanentStorageError, StorageError, TransientStorageError, classify
+from tasks.storage.multipart import PartInfo, md5_b64, upload_resumable
 
 _TRANSIENT_BOTO = (bce.EndpointConnectionError, bce.ConnectionClosedError, bce.ReadTimeoutError,
                    bce.ConnectTimeoutError, bce.ResponseStreamingError, bce.IncompleteReadError,
@@ -162,7 +162,7 @@ class S3Storage(Storage):
                 raise classify("delete", self.uri(e.get("Key", "")), status=None if e.get("Code") == "InternalError"
                                else 400, code=e.get("Code"), message=e.get("Message", ""), secrets=self._secrets)
 
-    # ---- multipart API (tasks.storage_multipart) ----------------------------------------------------------
+    # ---- multipart API (tasks.storage.multipart) ----------------------------------------------------------
     def mpu_find(self, key: str) -> list[str]:
         k = self._key(key)
         r = self._call("list_uploads", key, lambda: self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=k))

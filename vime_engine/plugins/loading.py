@@ -31,6 +31,11 @@ def load_function(
     return check_callable(fn, spec, flag, arg_names, wanted, allow_async)
 
 
+def load_hook(spec: str | None, flag: str, arg_names: tuple[str, ...], wanted: str) -> Callable | None:
+    """A vime hook named by an optional flag: None when the flag is unset, else `load_function` (async allowed)."""
+    return None if spec is None else load_function(spec, flag, arg_names, wanted, allow_async=True)
+
+
 def import_function(spec: str, flag: str, wanted: str) -> Callable:
     """The function named by `spec`, imported but not yet checked: for hooks whose form its signature decides."""
     target, sep, function_name = spec.rpartition(":")

@@ -128,10 +128,6 @@ class Manifest:
     def hash(self) -> str:
         return hashlib.sha256(self.to_bytes()).hexdigest()
 
-    @property
-    def total_size(self) -> int:
-        return sum(e.size for e in self.files.values())
-
     @classmethod
     def from_bytes(cls, data: bytes) -> "Manifest":
         """Parse and validate; raises ValueError on anything that is not a version-1 manifest."""

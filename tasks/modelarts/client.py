@@ -2,7 +2,7 @@
 
 ``submit_modelarts_job(spec, client)`` creates the job (``huaweicloudsdkmodelarts``: POST
 ``/v2/{project_id}/training-jobs``); ``poll_until_done`` polls ``status.phase`` with backoff, streams each
-task's log preview into a logger without repeating lines (``tasks/modelarts_logs.py``), and maps the final
+task's log preview into a logger without repeating lines (``tasks/modelarts/logs.py``), and maps the final
 phase to a ``JobOutcome``; ``stop_job`` terminates it; ``run_modelarts_job`` does all three and stops the
 job when the caller is interrupted (a cancelled Prefect run). Credentials come from the environment
 (``HUAWEICLOUD_SDK_AK`` / ``_SK`` / ``_PROJECT_ID``, the SDK's own names) or a Prefect Secret block, and are
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field, SecretStr, field_validator
 
-from tasks.modelarts_logs import LogTail
-from tasks.storage_errors import redact
+from tasks.modelarts.logs import LogTail
+from tasks.storage.errors import redact
 
 log = logging.getLogger("vimeflow.modelarts")
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vime_engine.checkpoint import write_atomic
+from vime_engine.checkpoint.store import write_atomic
 
 HISTORY_FILE = "history.jsonl"
 MARK_KEY = "history_mark"  # driver.json's key of the mark; the key of the old whole-history list is "history"

@@ -6,7 +6,7 @@ the job runs that command with ModelArts' environment (`VC_TASK_INDEX`, `VC_WORK
 
   task 0 (head)   fetch model and data (sha256-verified), replace the local checkpoint directory by the newest
                   checkpoint committed to OBS, start the Ray head when the job has several nodes, run the chunk
-                  (`tasks.chunk_runner` → `run_chunk`) in a child process, commit each checkpoint to OBS as
+                  (`tasks.engine_job.runner` → `run_chunk`) in a child process, commit each checkpoint to OBS as
                   soon as the engine writes it (manifest last), write the chunk's result object, exit.
   task i > 0      join the head's Ray cluster and stay until the chunk's result is in OBS (exit 0) or the head
                   goes away without it (EXIT_INFRASTRUCTURE).
@@ -36,13 +36,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tasks.checkpoint_history import fetch_history, upload_history
-from tasks.chunk_runner import EXIT_CODE_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, RESULT_FILE
-from tasks.engine_process import InfrastructureFailure, failure_for_exit, run_chunk_runner
-from tasks.run_layout import DatasetRef, EngineJob, RunLayout, localize
+from tasks.engine_job.checkpoint_history import fetch_history, upload_history
+from tasks.engine_job.runner import EXIT_CODE_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, RESULT_FILE
+from tasks.engine_job.process import InfrastructureFailure, failure_for_exit, run_chunk_runner
+from tasks.engine_job.layout import DatasetRef, EngineJob, RunLayout, localize
 from tasks.storage import Storage, dir_prefix, join_key, open_storage
-from tasks.storage_errors import StorageError, TransientStorageError
-from vime_engine import checkpoint as ckpt
+from tasks.storage.errors import StorageError, TransientStorageError
+from vime_engine.checkpoint import store as ckpt
 from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE
 
 # Task 0's exit codes after which a new job from the newest committed checkpoint may succeed; a container

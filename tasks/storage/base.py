@@ -1,4 +1,4 @@
-"""One storage interface for ``file://``, ``s3://`` and ``obs://`` roots.
+"""The storage interface every backend implements, and the tree operations built on it.
 
 A ``Storage`` is rooted at a URI; every key it takes is relative to that root. Backends implement a few
 primitives (put/get of one object, list, head, delete); this module builds the tree operations on top:
@@ -14,27 +14,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
-from vime_engine.manifest import (
+from vime_engine.checkpoint.manifest import (
     MANIFEST_NAME, FileDigest, Manifest, check_relpath, digest_file, digest_tree, list_tree, part_size_for,
     sha256_file,
 )
-from tasks.storage_errors import (
-    IntegrityError, NotFoundError, PermanentStorageError, StorageError, TransientStorageError, with_retries,
+from tasks.storage.errors import (
+    IntegrityError, NotFoundError, PermanentStorageError, with_retries,
 )
 
-__all__ = [
-    "Storage", "ObjectInfo", "open_storage", "StorageError", "TransientStorageError", "PermanentStorageError",
-    "NotFoundError", "IntegrityError",
-]
 log = logging.getLogger("vimeflow.storage")
 
 
@@ -116,18 +109,6 @@ class Storage(ABC):
         return with_retries(fn, attempts=self.max_attempts, base_delay=self.retry_base_delay)
 
     # ---- single objects -----------------------------------------------------------------------------------
-    def put_file(self, local: Path, key: str) -> FileDigest:
-        local = Path(local)
-        digest = self.digest(local)
-        self._put_file(local, key, digest)
-        return digest
-
-    def get_file(self, key: str, local: Path) -> Path:
-        local = Path(local)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        self._get_file(key, local, None)
-        return local
-
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         return self._retry(lambda: self._list(prefix))
 
@@ -270,93 +251,3 @@ class Storage(ABC):
 
 def _local_matches(path: Path, size: int, sha256: str) -> bool:
     return path.is_file() and path.stat().st_size == size and sha256_file(path) == sha256
-
-
-class LocalStorage(Storage):
-    """``file://`` roots: a directory. Writes go to a temporary name and are renamed into place."""
-
-    etags = False
-
-    def __init__(self, root: Path, max_concurrency: int = 8):
-        self.root = Path(root).resolve()
-        self.root_uri = self.root.as_uri()
-        self.max_concurrency = max_concurrency
-
-    def _rebase(self, prefix: str) -> None:
-        self.root = self.root / join_key(prefix)
-        self.root_uri = self.root.as_uri()
-
-    def _path(self, key: str) -> Path:
-        key = join_key(key)
-        return self.root / check_relpath(key) if key else self.root
-
-    def _put_file(self, local: Path, key: str, digest: FileDigest) -> None:
-        self._write(key, lambda tmp: shutil.copyfile(local, tmp))
-
-    def _write(self, key: str, fill) -> None:
-        dest = self._path(key)
-        try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-            fill(tmp)
-            os.replace(tmp, dest)
-        except OSError as exc:
-            raise PermanentStorageError("put", self.uri(key), message=exc.strerror or str(exc)) from None
-
-    def _get_file(self, key: str, local: Path, size: int | None) -> None:
-        src = self._path(key)
-        if not src.is_file():
-            raise NotFoundError("get", self.uri(key), code="NoSuchKey")
-        shutil.copyfile(src, local)
-
-    def _list(self, prefix: str) -> list[ObjectInfo]:
-        out = []
-        if not self.root.is_dir():
-            return out
-        for dirpath, _, filenames in os.walk(self.root):
-            for name in filenames:
-                p = Path(dirpath) / name
-                key = p.relative_to(self.root).as_posix()
-                if key.startswith(prefix) and not name.endswith(".tmp"):
-                    out.append(ObjectInfo(key, p.stat().st_size, None))
-        return sorted(out, key=lambda o: o.key)
-
-    def _head(self, key: str) -> ObjectInfo | None:
-        p = self._path(key)
-        return ObjectInfo(join_key(key), p.stat().st_size, None) if p.is_file() else None
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        self._write(key, lambda tmp: tmp.write_bytes(data))
-
-    def get_bytes(self, key: str) -> bytes:
-        p = self._path(key)
-        if not p.is_file():
-            raise NotFoundError("get", self.uri(key), code="NoSuchKey")
-        return p.read_bytes()
-
-    def _delete_keys(self, keys: list[str]) -> None:
-        for k in keys:
-            self._path(k).unlink(missing_ok=True)
-
-
-def open_storage(root_uri: str, **options: Any) -> Storage:
-    """The storage for ``file:///dir``, ``s3://bucket/prefix`` or ``obs://bucket/prefix``.
-
-    ``options`` go to the backend (endpoint_url, region, credentials, max_concurrency...); anything not given
-    comes from the environment (see tasks/storage_s3.py and tasks/storage_obs.py).
-    """
-    parsed = urlparse(root_uri)
-    scheme = parsed.scheme.lower()
-    if scheme == "file" or (scheme == "" and root_uri.startswith("/")):
-        return LocalStorage(Path(parsed.path if scheme else root_uri), **options)
-    if scheme in ("s3", "obs"):
-        if not parsed.netloc or "@" in parsed.netloc:
-            raise PermanentStorageError("open", f"{scheme}://…", code="InvalidURI",
-                                        message="expected scheme://bucket/prefix (no credentials in URIs)")
-        if scheme == "s3":
-            from tasks.storage_s3 import S3Storage
-            return S3Storage(parsed.netloc, parsed.path.strip("/"), **options)
-        from tasks.storage_obs import ObsStorage
-        return ObsStorage(parsed.netloc, parsed.path.strip("/"), **options)
-    raise PermanentStorageError("open", root_uri, code="UnsupportedScheme",
-                                message="supported: file://, s3://, obs://")

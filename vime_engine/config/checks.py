@@ -5,9 +5,14 @@ Each rule that fails raises ConfigError with a message naming the flags involved
 
 from __future__ import annotations
 
-from vime_engine.config import AlgorithmConfig, ConfigError, EngineConfig, LoggingConfig
-from vime_engine.config.errors import flag_name
+from typing import TYPE_CHECKING
+
+from vime_engine.config.errors import ConfigError, flag_name
 from vime_engine.config.megatron_flags import PARALLEL_FLAGS
+from vime_engine.config.sections import AlgorithmConfig, LoggingConfig
+
+if TYPE_CHECKING:  # the rules run inside EngineConfig's validator
+    from vime_engine.config.engine_config import EngineConfig
 
 
 def check_combinations(cfg: EngineConfig) -> None:
@@ -155,7 +160,8 @@ VIME_ROLLOUT_FUNCTIONS = (
 
 
 def _check_vime_hooks(cfg: EngineConfig) -> None:
-    """vime's hooks that cannot act here are refused, each with the reason (the others: vime_engine/vime_hooks.py)."""
+    """vime's hooks that cannot act here are refused, each with the reason (the others:
+    vime_engine/rollout/vime_hooks.py, vime_engine/train/vime_hooks.py)."""
     for flag, value in (("--rollout-function-path", cfg.rollout.rollout_function_path),
                         ("--eval-function-path", cfg.eval.eval_function_path)):
         if value is not None and value not in VIME_ROLLOUT_FUNCTIONS:

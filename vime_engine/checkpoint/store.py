@@ -10,7 +10,7 @@ Layout under the checkpoint root:
         manifest.json                     written last: every file's size, sha256 and xxh3-128
     LATEST                                "rollout_0000007", replaced atomically after the manifest is on disk
     history.jsonl                         the run's metrics history, append-only, fsynced before each manifest;
-                                          each checkpoint reads only its own prefix (vime_engine/run_history.py)
+                                          each checkpoint reads only its own prefix (vime_engine/checkpoint/run_history.py)
 
 A directory without a valid manifest is not a checkpoint. `find_latest` walks back from LATEST (or the newest
 directory) to the newest checkpoint whose files match their manifest and says which it skipped and why.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vime_engine.manifest import (
+from vime_engine.checkpoint.manifest import (
     MANIFEST_NAME, ChecksumMismatch, FileEntry, Manifest, build_manifest, read_verified, verify_local_tree,
 )
 

@@ -1,7 +1,7 @@
 """The run's history file travels with the checkpoints committed to storage.
 
 The engine keeps a run's metrics history in one append-only file beside its checkpoint directories, and each
-checkpoint names its prefix of that file (vime_engine/run_history.py). In storage the file lies beside the
+checkpoint names its prefix of that file (vime_engine/checkpoint/run_history.py). In storage the file lies beside the
 committed checkpoints too, `{run}/checkpoints/history.jsonl`: uploaded before a checkpoint's commit (so a
 committed checkpoint always finds its lines), brought down beside a checkpoint fetched to another machine, and
 read with a checkpoint's driver.json where the whole history is needed (the report).
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks.storage import NotFoundError, Storage, join_key, open_storage
-from vime_engine import checkpoint as ckpt
-from vime_engine.run_history import HISTORY_FILE, MARK_KEY, HistoryMark, read_checked, saved_records
+from vime_engine.checkpoint import store as ckpt
+from vime_engine.checkpoint.run_history import HISTORY_FILE, MARK_KEY, HistoryMark, read_checked, saved_records
 
 
 def history_key(checkpoint_key: str) -> str:

@@ -1,0 +1,7 @@
+"""What a user's plugin file meets: `loading` (a function named by a flag, imported and its signature checked;
+coroutines awaited) and `vime_args` (the read-only `args` namespace with vime's names).
+
+Where vime's hooks are called: the rollout side in vime_engine/rollout/vime_hooks.py, the trainer side in
+vime_engine/train/vime_hooks.py, rewards in vime_engine/rewards/custom.py, custom generate functions in
+vime_engine/rollout/custom_generate.py.
+"""

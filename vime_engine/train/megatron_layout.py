@@ -1,0 +1,75 @@
+"""Megatron's parallel layout and settings as typed values, read once from its pass-through flags.
+
+No Megatron import at module level: the HF mapping (megatron_hf.py) and the model (megatron_model.py) both read
+it, and the mapping must stay importable where Megatron is not installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class MegatronSetupError(ValueError):
+    """A Megatron parallel layout or setting this engine cannot run; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Megatron's parallel flags (`cfg.megatron`, keyed by flag name) as typed values."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    expert: int = 1
+    expert_tensor: int | None = None
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    attention_softmax_in_fp32: bool | None = None  # None: the provider's own choice
+    attention_backend: str | None = None  # megatron.core.transformer.enums.AttnBackend name; None: Megatron's
+    # Gradients reduced across data-parallel ranks in fp32 (exact reductions) unless turned off.
+    grad_reduce_in_fp32: bool = True
+
+    @classmethod
+    def from_flags(cls, flags: dict[str, Any]) -> ParallelLayout:
+        layout = cls(
+            tensor=int(flags.get("tensor-model-parallel-size") or 1),
+            pipeline=int(flags.get("pipeline-model-parallel-size") or 1),
+            context=int(flags.get("context-parallel-size") or 1),
+            expert=int(flags.get("expert-model-parallel-size") or 1),
+            expert_tensor=flags.get("expert-tensor-parallel-size"),
+            sequence_parallel=bool(flags.get("sequence-parallel", False)),
+            recompute_granularity=flags.get("recompute-granularity"),
+            recompute_method=flags.get("recompute-method"),
+            recompute_num_layers=flags.get("recompute-num-layers"),
+            # RL needs the same function for old and new log-probs: dropout off unless asked for.
+            attention_dropout=float(flags.get("attention-dropout") or 0.0),
+            hidden_dropout=float(flags.get("hidden-dropout") or 0.0),
+            attention_softmax_in_fp32=flags.get("attention-softmax-in-fp32"),
+            attention_backend=flags.get("attention-backend"),
+            grad_reduce_in_fp32=flags.get("accumulate-allreduce-grads-in-fp32", True),
+        )
+        if layout.attention_backend is not None:
+            from megatron.core.transformer.enums import AttnBackend
+
+            if layout.attention_backend not in AttnBackend.__members__:
+                raise MegatronSetupError(
+                    f"--attention-backend {layout.attention_backend!r}: expected one of "
+                    f"{', '.join(AttnBackend.__members__)}"
+                )
+        if layout.context != 1:
+            raise MegatronSetupError(
+                "--context-parallel-size > 1 is not supported yet by the Megatron backend "
+                "(it trains on padded batches; context parallelism needs sequence-split packing)"
+            )
+        if layout.sequence_parallel and layout.tensor == 1:
+            raise MegatronSetupError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        return layout
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor * self.pipeline * self.context
