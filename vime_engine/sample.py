@@ -1,4 +1,5 @@
-"""The unit of data that flows from the rollout engine to the trainer (DESIGN.md §3)."""
+"""The unit of data that flows from the rollout engine to the trainer: one prompt and its response, with what
+training needs of it (tokens, rollout log-probs, loss mask, reward, status, weight versions)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The resumable checkpoint (DESIGN.md §3).
+"""The resumable checkpoint: rollout directories committed in a crash-safe order, and finding the newest valid one.
 
 Layout under the checkpoint root:
 

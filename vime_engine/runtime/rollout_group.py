@@ -40,8 +40,10 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import ray
+from ray.actor import ActorHandle
 from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -60,6 +62,27 @@ from vime_engine.weight_sync.group import GroupAddress
 
 log = logging.getLogger(__name__)
 HEALTH = "health"  # the concurrency group `health` runs in, so it answers while a generation runs
+
+
+class RolloutEngine(Protocol):
+    """What the group calls on each engine's actor: a RolloutActor (below), or a trainer rank that holds an engine
+    (vime_engine/runtime/workers.py, colocated). Only a RolloutActor answers `health`: only the group's own engines
+    are watched and replaced (`--use-fault-tolerance`)."""
+
+    def generate(self, records: list[PromptRecord], rollout_id: int, first_group: int,
+                 plan: GenerationPlan) -> list[Sample]: ...
+
+    def begin(self, records: list[PromptRecord], resumed: list[list[Sample]], rollout_id: int, first_group: int,
+              plan: GenerationPlan) -> None: ...
+
+    def advance(self) -> list[list[Sample]]: ...
+
+    def abort(self) -> list[list[Sample]]: ...
+
+    def loaded_weight_version(self) -> int: ...
+
+
+EngineHandle = ActorHandle[RolloutEngine]
 
 
 class RolloutActor(RolloutWorker):
@@ -188,7 +211,7 @@ class PendingSamples:
 class GroupRound:
     """A round running on some engines of the group (a `RoundStream`), advanced in lockstep."""
 
-    def __init__(self, engines: list):
+    def __init__(self, engines: list[EngineHandle]):
         self.engines = engines
         self._running = list(engines)
 
@@ -208,8 +231,8 @@ class GroupRound:
 class RolloutGroup:
     """The driver's handle on every engine: generation spread over them, weight versions checked together."""
 
-    def __init__(self, engines: list, placement: PlacementGroup | None = None,
-                 start_engine: Callable[[int], object] | None = None):
+    def __init__(self, engines: list[EngineHandle], placement: PlacementGroup | None = None,
+                 start_engine: Callable[[int], EngineHandle] | None = None):
         self.engines = engines
         self.placement = placement  # None: the engines belong to someone else (the colocated trainer group)
         self._start_engine = start_engine  # a new actor for engine i, in bundle i
@@ -230,7 +253,7 @@ class RolloutGroup:
         placement = reserve([bundle] * count, "PACK", asked)
         remote_class = ray.remote(concurrency_groups={HEALTH: 1})(RolloutActor)
 
-        def start_engine(i: int):
+        def start_engine(i: int) -> EngineHandle:
             return remote_class.options(
                 runtime_env={"env_vars": dict(accel.actor_env)}, **actor_resources(accel, per_engine),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement, i),

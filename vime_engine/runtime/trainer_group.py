@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -153,7 +154,7 @@ class TrainerGroup:
         host, port = _rendezvous(self.placement)
         env = {"runtime_env": {"env_vars": dict(accel.actor_env)}}
         remote_class = ray.remote(actor_class)
-        self.ranks = [
+        self.ranks: list[ActorHandle[TrainerRank]] = [
             remote_class.options(**env, **actor_resources(accel), scheduling_strategy=in_bundle(node)).remote(
                 cfg, accel, RankAddress(node * p.actor_num_gpus_per_node + local, world_size(cfg), local, host, port),
                 *extra,
@@ -202,7 +203,7 @@ class TrainerGroup:
     def send_weights(self, version: int) -> list[ray.ObjectRef]:
         return [rank.send_weights.remote(version) for rank in self.ranks]
 
-    def actors(self) -> list:
+    def actors(self) -> list[ActorHandle[TrainerRank]]:
         return list(self.ranks)
 
     def shutdown(self) -> None:

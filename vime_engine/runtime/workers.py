@@ -16,6 +16,7 @@ import contextlib
 import logging
 from pathlib import Path
 
+from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from vime_engine.config import EngineConfig
@@ -117,7 +118,7 @@ class Workers:
             return f"{trainer}, each rank with its engine"
         return f"{trainer}; rollout engines on node(s) {', '.join(nodes_of(self.rollout.placement))}"
 
-    def actors(self) -> list:
+    def actors(self) -> list[ActorHandle]:
         """Every actor of the run (trainer ranks and engines), e.g. to wait until all have started."""
         return list(dict.fromkeys([*self.trainer.actors(), *self.rollout.engines]))
 
