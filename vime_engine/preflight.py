@@ -25,6 +25,7 @@ from vime_engine.data.datasets import DatasetError, read_prompt_rows
 from vime_engine.data.prompt_length import FLAG as MAX_PROMPT_FLAG
 from vime_engine.data.prompt_length import load_tokenizer, prompt_lengths, short_enough
 from vime_engine.rewards.labels import label_problem
+from vime_engine.train.megatron_model_flags import ModelFlagMismatch, check_model_flags
 
 log = logging.getLogger(__name__)
 MEGATRON_MODULES = ("megatron.core",)  # the HF mapping is our own (train/megatron_hf.py)
@@ -48,7 +49,8 @@ def check_inputs(cfg: EngineConfig) -> None:
     loaded, no file read whole)."""
     if cfg.train.train_backend == "megatron":
         require_megatron()
-    check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
+    model_config = check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
+    _check_model_flags(cfg.megatron, model_config, Path(cfg.model.hf_checkpoint) / "config.json")
     ref_load = cfg.checkpoint.ref_load
     torch_dist_ref = ref_load is not None and _is_converted_checkpoint(ref_load)
     if torch_dist_ref:
@@ -129,6 +131,14 @@ def _check_megatron_mapping(path: str, flag: str) -> None:
         HFArchitecture.from_pretrained(path)
     except UnsupportedHFModel as exc:
         raise PreflightError(f"{flag} {exc}") from None
+
+
+def _check_model_flags(flags: dict[str, Any], model_config: dict[str, Any], config_file: Path) -> None:
+    """vime's model-architecture flags (--num-layers, --hidden-size, …) agree with the model's config.json."""
+    try:
+        check_model_flags(flags, model_config, str(config_file))
+    except ModelFlagMismatch as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def check_model_dir(path: str, flag: str) -> dict[str, Any]:

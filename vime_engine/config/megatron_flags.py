@@ -23,6 +23,29 @@ MEGATRON_FLAGS: dict[str, type] = {
     "accumulate-allreduce-grads-in-fp32": bool,
     "attention-softmax-in-fp32": bool,
     "attention-backend": str,
+    # The model's architecture, as vime's scripts/models/*.sh give it: checked against config.json before anything
+    # loads (vime_engine/train/megatron_model_flags.py), never applied over it.
+    "swiglu": bool,
+    "num-layers": int,
+    "hidden-size": int,
+    "ffn-hidden-size": int,
+    "num-attention-heads": int,
+    "group-query-attention": bool,
+    "num-query-groups": int,
+    "kv-channels": int,
+    "vocab-size": int,
+    "max-position-embeddings": int,
+    "use-rotary-position-embeddings": bool,
+    "position-embedding-type": str,
+    "rotary-base": float,
+    "use-rope-scaling": bool,
+    "rotary-scaling-factor": float,
+    "disable-bias-linear": bool,
+    "add-qkv-bias": bool,
+    "normalization": str,
+    "norm-epsilon": float,
+    "qk-layernorm": bool,
+    "untie-embeddings-and-output-weights": bool,
 }
 PARALLEL_FLAGS = [f for f in MEGATRON_FLAGS if f.endswith("parallel-size")]
 
