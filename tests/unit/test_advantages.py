@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from vime_engine.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
-    compute_advantages,
     expand_to_tokens,
     gae_advantages,
     group_normalized_advantages,
@@ -18,6 +16,7 @@ from vime_engine.algorithms.advantages import (
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
 )
+from vime_engine.algorithms.estimators import ESTIMATORS, compute_advantages
 from vime_engine.algorithms.segments import last_trained_token
 
 
@@ -219,8 +218,7 @@ def test_compute_advantages_rejects_missing_inputs_and_unknown_names() -> None:
         compute_advantages("ppo", inputs)
     with pytest.raises(ValueError, match="unknown --advantage-estimator 'dapo'"):
         compute_advantages("dapo", inputs)
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "gspo", "reinforce_plus_plus",
-                                         "reinforce_plus_plus_baseline", "ppo"}
+    assert set(ESTIMATORS) == {"grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"}
 
 
 def test_flat_tensors_must_match_the_response_lengths() -> None:

@@ -1,4 +1,5 @@
-"""Advantage estimators for RL post-training (vime's `--advantage-estimator` values).
+"""The math of the advantage estimators (vime's `--advantage-estimator` values); `estimators.py` holds their table
+and `compute_advantages`, which dispatches through it.
 
 Layout: see `segments.py`. Rewards are per sample [B]; KL, values, loss mask and the returned advantages
 are flat token tensors [N]. For group-based estimators the samples are ordered so that every consecutive
@@ -25,13 +26,9 @@ from vime_engine.algorithms.segments import (
     to_padded,
 )
 
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
     "AdvantageInputs",
     "AdvantageResult",
-    "compute_advantages",
     "expand_to_tokens",
     "gae_advantages",
     "group_normalized_advantages",
@@ -177,67 +174,11 @@ class AdvantageInputs:
     response_lengths: Sequence[int]  # B ints, sum == N
     loss_mask: Tensor  # [N], 1 = token trained
     group_size: int  # --n-samples-per-prompt
-    kl: Tensor | None = None  # [N] per-token KL to the reference; reinforce_plus_plus*
-    values: Tensor | None = None  # [N] critic values; ppo
+    kl: Tensor | None = None  # [N] per-token KL to the reference; read where EstimatorSpec.uses_reward_kl
+    values: Tensor | None = None  # [N] critic values; read where EstimatorSpec.needs_critic
 
 
 @dataclass(frozen=True)
 class AdvantageResult:
     advantages: Tensor  # [N]
-    returns: Tensor | None = None  # [N], the critic's target; ppo only
-
-
-def compute_advantages(
-    estimator: str,
-    inputs: AdvantageInputs,
-    *,
-    normalize_std: bool = True,
-    kl_coef: float = 0.0,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    normalize_advantages: bool = False,
-    rewards_normalized: bool = False,
-) -> AdvantageResult:
-    """Token-level advantages [N] for `--advantage-estimator` = one of ADVANTAGE_ESTIMATORS.
-
-    grpo / gspo: group-normalised sample advantage broadcast to tokens (they differ only in the loss).
-    reinforce_plus_plus / reinforce_plus_plus_baseline: need `inputs.kl`; ppo: needs `inputs.values` and
-    also returns the critic's returns. `normalize_advantages` (`--normalize-advantages`) whitens the final
-    advantages over the loss mask; returns are never whitened. `rewards_normalized`: the rewards were already
-    normalised within their groups (by `--custom-reward-post-process-path`, as vime does it), so grpo / gspo
-    broadcast them as they are and reinforce_plus_plus_baseline does not centre them again.
-    """
-    check_flat(inputs.loss_mask, inputs.response_lengths, "loss_mask")
-    returns = None
-    if estimator in ("grpo", "gspo"):
-        per_sample = (inputs.rewards if rewards_normalized
-                      else group_normalized_advantages(inputs.rewards, inputs.group_size, normalize_std))
-        advantages = expand_to_tokens(per_sample, inputs.response_lengths)
-    elif estimator == "reinforce_plus_plus":
-        advantages = reinforce_plus_plus_advantages(
-            inputs.rewards, _required(inputs.kl, "kl", estimator), inputs.response_lengths,
-            inputs.loss_mask, kl_coef, gamma,
-        )
-    elif estimator == "reinforce_plus_plus_baseline":
-        advantages = reinforce_plus_plus_baseline_advantages(
-            inputs.rewards, _required(inputs.kl, "kl", estimator), inputs.response_lengths,
-            inputs.loss_mask, inputs.group_size, kl_coef, centre=not rewards_normalized,
-        )
-    elif estimator == "ppo":
-        advantages, returns = gae_advantages(
-            inputs.rewards, _required(inputs.values, "values", estimator), inputs.response_lengths,
-            inputs.loss_mask, gamma, lam,
-        )
-    else:
-        raise ValueError(
-            f"unknown --advantage-estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}"
-        )
-    if normalize_advantages:
-        advantages = masked_whiten(advantages, inputs.loss_mask)
-    return AdvantageResult(advantages=advantages, returns=returns)
-
-
-def _required(tensor: Tensor | None, name: str, estimator: str) -> Tensor:
-    if tensor is None:
-        raise ValueError(f"--advantage-estimator {estimator} needs per-token {name}")
-    return tensor
+    returns: Tensor | None = None  # [N], the critic's target; only where EstimatorSpec.needs_critic

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vime_engine.algorithms.estimators import ESTIMATORS
 from vime_engine.config.errors import ConfigError, flag_name
 from vime_engine.config.megatron_flags import PARALLEL_FLAGS
 from vime_engine.config.sections import AlgorithmConfig, LoggingConfig
@@ -32,7 +33,7 @@ def check_combinations(cfg: EngineConfig) -> None:
             f"--global-batch-size {gbs} does not divide --rollout-batch-size × --n-samples-per-prompt = "
             f"{r.rollout_batch_size} × {r.n_samples_per_prompt} = {per_rollout}; use one of {divisors}"
         )
-    if a.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline") and r.n_samples_per_prompt < 2:
+    if ESTIMATORS[a.advantage_estimator].group_baseline and r.n_samples_per_prompt < 2:
         raise ConfigError(
             f"--advantage-estimator {a.advantage_estimator} compares samples of one prompt: "
             "set --n-samples-per-prompt to 2 or more"
@@ -221,16 +222,13 @@ def _check_multi_turn_caps(cfg: EngineConfig) -> None:
             )
 
 
-# Estimators that fold --kl-coef into the reward (algorithms/advantages.py); the others never read it.
-REWARD_KL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
-
-
 def _check_kl_flags(a: AlgorithmConfig) -> None:
-    if a.kl_coef != 0 and a.advantage_estimator not in REWARD_KL_ESTIMATORS:
+    if a.kl_coef != 0 and not ESTIMATORS[a.advantage_estimator].uses_reward_kl:
+        reward_kl = [name for name, spec in ESTIMATORS.items() if spec.uses_reward_kl]
         raise ConfigError(
             f"--kl-coef {a.kl_coef} is a KL penalty in the reward, which --advantage-estimator "
             f"{a.advantage_estimator} does not use: for a KL term in the loss use --use-kl-loss --kl-loss-coef "
-            f"{a.kl_coef}, or use --advantage-estimator {' or '.join(REWARD_KL_ESTIMATORS)}; else drop --kl-coef"
+            f"{a.kl_coef}, or use --advantage-estimator {' or '.join(reward_kl)}; else drop --kl-coef"
         )
     if a.kl_loss_coef != 0 and not a.use_kl_loss:
         raise ConfigError(

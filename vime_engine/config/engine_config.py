@@ -1,5 +1,6 @@
 """EngineConfig: the sections in one validated object, the values derived from them, and the fields a resumed
-checkpoint must match (the math fields) versus those it may change."""
+checkpoint must match (the math fields) versus those it may change (marked where declared: `non_math` in
+sections.py)."""
 
 from __future__ import annotations
 
@@ -12,30 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from vime_engine.config.checks import check_combinations
 from vime_engine.config.errors import flag_name
 from vime_engine.config.sections import (
-    SECTIONS, AlgorithmConfig, CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig, PlacementConfig,
-    RewardConfig, RolloutConfig, TrainConfig,
+    NON_MATH_FIELDS, SECTIONS, AlgorithmConfig, CheckpointConfig, DataConfig, EvalConfig, LoggingConfig, ModelConfig,
+    PlacementConfig, RewardConfig, RolloutConfig, TrainConfig,
 )
-
-# Fields that do not change the trained weights: they may differ between a checkpoint and the run resuming it.
-# Paths are among them: a resumed chunk may see the same model and data under other paths (another machine, a
-# ModelArts container); content identity is the orchestrator's job (staged manifests in the chunk cache key),
-# and the checkpoint itself refuses a dataset of another size or weights of another shape.
-NON_MATH_FIELDS = {
-    "hf_checkpoint", "ref_load", "prompt_data", "custom_rm_path", "rm_url", "dynamic_sampling_filter_path",
-    "custom_generate_function_path",
-    "buffer_filter_path", "rollout_sample_filter_path", "rollout_all_samples_process_path",
-    "custom_reward_post_process_path", "custom_advantage_function_path", "rollout_function_path",
-    "eval_function_path",
-    "num_rollout", "start_rollout_id", "save", "save_interval", "load", "keep_last", "save_hf",
-    *LoggingConfig.model_fields, "ray_address", "balance_data",
-    "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
-    "eval_temperature", "eval_top_p", "eval_input_key", "eval_label_key", "eval_rm_type",
-    "vllm_gpu_memory_utilization", "vllm_kv_cache_gb", "rollout_num_gpus", "rollout_num_gpus_per_engine",
-    "actor_num_nodes", "actor_num_gpus_per_node", "colocate", "weight_sync", "weight_sync_bucket_mb",
-    "use_fault_tolerance", "rollout_health_check_interval", "rollout_health_check_timeout",
-    "rollout_health_check_first_wait", "rollout_max_engine_restarts",
-    "vllm_enforce_eager", "vllm_enable_prefix_caching", "vllm_enable_chunked_prefill", "vllm_max_num_batched_tokens",
-}
 
 
 class EngineConfig(BaseModel):

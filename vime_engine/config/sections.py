@@ -1,6 +1,8 @@
 """The sections of EngineConfig: one pydantic model per part of the engine that reads it.
 
-A field's name is its flag (`rollout_batch_size` is `--rollout-batch-size`); names are unique across sections.
+A field's name is its flag (`rollout_batch_size` is `--rollout-batch-size`); names are unique across sections. A
+field that does not change the trained weights says so where it is declared (`non_math`); NON_MATH_FIELDS collects
+them.
 """
 
 from __future__ import annotations
@@ -8,9 +10,26 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticUndefined
 
+from vime_engine.algorithms.estimators import ESTIMATORS
 from vime_engine.config.errors import flag_name
 from vime_engine.config.switches import switch_value
+
+
+# The schema mark of a field, or of a whole section, that does not change the trained weights.
+NON_MATH = {"math": False}
+
+
+def non_math(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
+    """A Field that does not change the trained weights: a checkpoint and the run resuming it may differ in it
+    (EngineConfig.math_fields, vime_engine/config/engine_config.py).
+
+    Paths are such fields: a resumed chunk may see the same model and data under other paths (another machine, a
+    ModelArts container); content identity is the orchestrator's job (staged manifests in the chunk cache key), and
+    the checkpoint itself refuses a dataset of another size or weights of another shape.
+    """
+    return Field(default, json_schema_extra=NON_MATH, **kwargs)
 
 
 class _Section(BaseModel):
@@ -18,12 +37,12 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    hf_checkpoint: str = Field(description="HF model directory (local path) to start from")
+    hf_checkpoint: str = non_math(description="HF model directory (local path) to start from")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="training and rollout dtype")
 
 
 class DataConfig(_Section):
-    prompt_data: str = Field(description="prompt dataset, .jsonl or .parquet")
+    prompt_data: str = non_math(description="prompt dataset, .jsonl or .parquet")
     input_key: str = "prompt"
     label_key: str = "label"
     metadata_key: str | None = None
@@ -36,7 +55,7 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    num_rollout: int = Field(1, ge=0, description="number of rollout → train iterations; 0 = eval only")
+    num_rollout: int = non_math(1, ge=0, description="number of rollout → train iterations; 0 = eval only")
     rollout_batch_size: int = Field(8, ge=1, description="prompts per rollout")
     n_samples_per_prompt: int = Field(4, ge=1)
     rollout_max_response_len: int = Field(64, ge=1)
@@ -44,26 +63,26 @@ class RolloutConfig(_Section):
     rollout_top_p: float = Field(1.0, gt=0, le=1)
     rollout_top_k: int = Field(-1, description="-1 disables top-k")
     over_sampling_batch_size: int | None = Field(None, ge=1, description="prompts generated per draw when filtering")
-    dynamic_sampling_filter_path: str | None = Field(
+    dynamic_sampling_filter_path: str | None = non_math(
         None, description="keep a group? `(args, samples) -> bool | DynamicFilterOutput` (vime) or `(group) -> bool`"
     )
     # vime's rollout hooks (module:function or file.py:function; vime_engine/rollout/vime_hooks.py calls them).
-    buffer_filter_path: str | None = Field(
+    buffer_filter_path: str | None = non_math(
         None, description="`(args, rollout_id, buffer, num_samples) -> groups`: which cut-off groups resume first"
     )
-    rollout_sample_filter_path: str | None = Field(
+    rollout_sample_filter_path: str | None = non_math(
         None, description="`(args, groups) -> None`: sets sample.remove_sample to keep a sample out of the loss"
     )
-    rollout_all_samples_process_path: str | None = Field(
+    rollout_all_samples_process_path: str | None = non_math(
         None, description="`(args, all_groups, data_source) -> None`: sees every group, filtered ones too"
     )
-    rollout_function_path: str | None = Field(
+    rollout_function_path: str | None = non_math(
         None, description="vime's whole-rollout function; refused: our rollout runs vLLM in-process"
     )
     partial_rollout: bool = Field(
         False, description="stop generating once the batch is full; unfinished groups continue next rollout"
     )
-    custom_generate_function_path: str | None = Field(
+    custom_generate_function_path: str | None = non_math(
         None, description="vime's `async (args, sample, sampling_params) -> Sample` generating each sample "
         "(multi-turn, tools) on the engine through args.rollout_engine; see vime_engine/rollout/custom_generate.py"
     )
@@ -71,42 +90,42 @@ class RolloutConfig(_Section):
     rollout_max_context_len: int | None = Field(
         None, ge=2, description="tokens a multi-turn sample may hold: prompt, every turn and every tool reply"
     )
-    rollout_num_gpus: int | None = None
-    rollout_num_gpus_per_engine: int = 1
+    rollout_num_gpus: int | None = non_math(None)
+    rollout_num_gpus_per_engine: int = non_math(1)
     # slime's names: watch the disaggregated engines, restart a dead one and re-generate its groups.
-    use_fault_tolerance: bool = Field(
+    use_fault_tolerance: bool = non_math(
         False, description="restart a rollout engine that dies or stops answering, reload the current weights "
         "into it and generate its unfinished groups again (the same seeds: the same samples)"
     )
-    rollout_health_check_interval: float = Field(30.0, gt=0, description="seconds between engine health checks")
-    rollout_health_check_timeout: float = Field(
+    rollout_health_check_interval: float = non_math(30.0, gt=0, description="seconds between engine health checks")
+    rollout_health_check_timeout: float = non_math(
         30.0, gt=0, description="seconds an engine may take to answer a health check before it is restarted"
     )
-    rollout_health_check_first_wait: float = Field(
+    rollout_health_check_first_wait: float = non_math(
         0.0, ge=0, description="seconds after an engine (re)starts before its health checks begin"
     )
-    rollout_max_engine_restarts: int = Field(
+    rollout_max_engine_restarts: int = non_math(
         3, ge=0, description="engine restarts a run may make; one more death ends it with the retryable exit code"
     )
-    vllm_gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    vllm_gpu_memory_utilization: float = non_math(0.6, gt=0, le=1)
     vllm_max_model_len: int | None = None
-    vllm_kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
+    vllm_kv_cache_gb: float = non_math(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
     # "auto" = the device's best (vime_engine/rollout/vllm_engine.py: device_engine_kwargs); a value given wins.
-    vllm_enforce_eager: bool | Literal["auto"] = Field(
+    vllm_enforce_eager: bool | Literal["auto"] = non_math(
         "auto", description="run vLLM without CUDA / ACL graphs; auto: eager on CPU, graphs on accelerators. "
         "true on an accelerator costs decode speed; false on CPU compiles the model first (a slow start)"
     )
-    vllm_enable_prefix_caching: bool | Literal["auto"] = Field(
+    vllm_enable_prefix_caching: bool | Literal["auto"] = non_math(
         "auto", description="share the KV blocks of a prompt's n samples; auto: off on CPU, on on accelerators. "
         "true on CPU makes samples depend on the cache (log-probs up to 3e-5 apart from it off); false on an "
         "accelerator costs one prefill per sample instead of per prompt"
     )
-    vllm_enable_chunked_prefill: bool | Literal["auto"] = Field(
+    vllm_enable_chunked_prefill: bool | Literal["auto"] = non_math(
         "auto", description="split long prompts across engine steps; auto: off on CPU (whole prompts keep a "
         "sample's draws independent of the batch; CPU cannot run it with seeded sampling), on on accelerators. "
         "false on an accelerator costs throughput and needs --vllm-max-num-batched-tokens >= the model length"
     )
-    vllm_max_num_batched_tokens: int | Literal["auto"] = Field(
+    vllm_max_num_batched_tokens: int | Literal["auto"] = non_math(
         "auto", description="tokens per engine step; auto: max(model length, 16384) without chunked prefill, "
         "vLLM's own budget with it"
     )
@@ -131,24 +150,23 @@ class RolloutConfig(_Section):
 
 class RewardConfig(_Section):
     rm_type: str = Field("math", description="math | gsm8k | dapo | deepscaler | code | remote_rm")
-    custom_rm_path: str | None = Field(None, description="module:function or file.py:function")
-    rm_url: str | None = Field(None, description="reward server for remote_rm (--rm-type or --eval-rm-type)")
+    custom_rm_path: str | None = non_math(None, description="module:function or file.py:function")
+    rm_url: str | None = non_math(None, description="reward server for remote_rm (--rm-type or --eval-rm-type)")
     group_rm: bool = Field(False, description="call --custom-rm-path once per group: `async (args, samples)`")
-    custom_reward_post_process_path: str | None = Field(
+    custom_reward_post_process_path: str | None = non_math(
         None, description="`(args, samples) -> (raw_rewards, rewards)`: replaces the group normalisation"
     )
 
 
-AdvantageEstimator = Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 
 
 class AlgorithmConfig(_Section):
-    advantage_estimator: AdvantageEstimator = "grpo"
+    advantage_estimator: str = Field("grpo", description="a name in ESTIMATORS, vime_engine/algorithms/estimators.py")
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: KLType = "low_var_kl"
-    kl_coef: float = Field(0.0, description="KL penalty folded into the reward (reinforce++ / ppo)")
+    kl_coef: float = Field(0.0, description="KL penalty folded into the reward (estimators with uses_reward_kl)")
     entropy_coef: float = 0.0
     eps_clip: float = Field(0.2, ge=0)
     eps_clip_high: float | None = Field(None, ge=0, description="defaults to --eps-clip")
@@ -161,9 +179,17 @@ class AlgorithmConfig(_Section):
     gamma: float = Field(1.0, ge=0, le=1)
     lambd: float = Field(1.0, ge=0, le=1)
     value_clip: float = Field(0.2, gt=0)
-    custom_advantage_function_path: str | None = Field(
+    custom_advantage_function_path: str | None = non_math(
         None, description="`(args, rollout_data) -> None`: sets rollout_data['advantages'] and ['returns']"
     )
+
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        """Any name of the estimators' table: an estimator added there needs no edit here."""
+        if value not in ESTIMATORS:
+            raise ValueError(f"--advantage-estimator {value!r}: expected one of {', '.join(ESTIMATORS)}")
+        return value
 
 
 class TrainConfig(_Section):
@@ -177,7 +203,8 @@ class TrainConfig(_Section):
     max_tokens_per_gpu: int | None = Field(None, ge=1)
     micro_batch_size: int | None = Field(
         None, ge=1, description="samples per micro-batch; unset: micro-batches by token budget (--max-tokens-per-gpu)")
-    balance_data: bool = Field(False, description="even out tokens across data-parallel ranks in each optimizer step")
+    balance_data: bool = non_math(
+        False, description="even out tokens across data-parallel ranks in each optimizer step")
     optimizer: Literal["adam"] = "adam"
     lr: float = Field(1e-6, gt=0)
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
@@ -193,47 +220,48 @@ class TrainConfig(_Section):
 
 
 class PlacementConfig(_Section):
-    colocate: bool | Literal["auto"] = Field(
+    colocate: bool | Literal["auto"] = non_math(
         "auto", description="trainer rank i and engine i share one actor (and device); auto: on a CPU run of one "
         "node with the torch backend, unless a flag needs the engine on its own actor"
     )
     async_rollout: bool = Field(False, description="generate rollout i+1 while training on i (not colocated)")
-    actor_num_nodes: int = Field(1, ge=1)
-    actor_num_gpus_per_node: int = Field(1, ge=1)
-    ray_address: str | None = Field(None, description="Ray cluster address; default: a private local cluster")
+    actor_num_nodes: int = non_math(1, ge=1)
+    actor_num_gpus_per_node: int = non_math(1, ge=1)
+    ray_address: str | None = non_math(None, description="Ray cluster address; default: a private local cluster")
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    weight_sync: Literal["object_store", "broadcast"] = Field(
+    weight_sync: Literal["object_store", "broadcast"] = non_math(
         "object_store", description="disaggregated weight sync: Ray's object store or a bucketed collective broadcast"
     )
-    weight_sync_bucket_mb: float = Field(64, gt=0)
+    weight_sync_bucket_mb: float = non_math(64, gt=0)
 
 
 class CheckpointConfig(_Section):
-    save: str | None = Field(None, description="checkpoint directory")
-    save_interval: int | None = Field(None, ge=1)
-    load: str | None = None
-    ref_load: str | None = Field(None, description="reference model for the KL term (default: --hf-checkpoint)")
-    start_rollout_id: int | None = Field(None, ge=0)
-    keep_last: int | None = Field(None, ge=1)
-    save_hf: str | None = Field(None, description="export the final weights as an HF directory")
+    save: str | None = non_math(None, description="checkpoint directory")
+    save_interval: int | None = non_math(None, ge=1)
+    load: str | None = non_math(None)
+    ref_load: str | None = non_math(None, description="reference model for the KL term (default: --hf-checkpoint)")
+    start_rollout_id: int | None = non_math(None, ge=0)
+    keep_last: int | None = non_math(None, ge=1)
+    save_hf: str | None = non_math(None, description="export the final weights as an HF directory")
 
 
 class EvalConfig(_Section):
-    eval_prompt_data: list[str] | None = Field(None, description="NAME PATH [NAME PATH ...]")
-    eval_interval: int | None = Field(None, ge=1)
-    n_samples_per_eval_prompt: int = Field(1, ge=1)
-    eval_max_response_len: int | None = None
-    eval_temperature: float | None = None
-    eval_top_p: float | None = None
-    eval_input_key: str | None = None
-    eval_label_key: str | None = None
-    eval_rm_type: str | None = None
-    eval_function_path: str | None = Field(
+    eval_prompt_data: list[str] | None = non_math(None, description="NAME PATH [NAME PATH ...]")
+    eval_interval: int | None = non_math(None, ge=1)
+    n_samples_per_eval_prompt: int = non_math(1, ge=1)
+    eval_max_response_len: int | None = non_math(None)
+    eval_temperature: float | None = non_math(None)
+    eval_top_p: float | None = non_math(None)
+    eval_input_key: str | None = non_math(None)
+    eval_label_key: str | None = non_math(None)
+    eval_rm_type: str | None = non_math(None)
+    eval_function_path: str | None = non_math(
         None, description="vime's whole eval-rollout function; refused: our eval runs vLLM in-process"
     )
 
 
 class LoggingConfig(_Section):
+    model_config = ConfigDict(json_schema_extra=NON_MATH)  # what is logged where never changes the weights
     output_dir: str = Field("runs/latest", description="metrics.jsonl, tensorboard, eval results")
     use_tensorboard: bool = False
     # A resumed run (the same --save) continues the same W&B and MLflow runs: vime_engine/tracking/.
@@ -274,3 +302,14 @@ SECTIONS: dict[str, type[_Section]] = {
 FIELD_SECTION: dict[str, str] = {
     name: section for section, model in SECTIONS.items() for name in model.model_fields
 }
+
+
+def _is_non_math(schema_extra: Any) -> bool:
+    return isinstance(schema_extra, dict) and schema_extra.get("math") is False
+
+
+# The fields that do not change the trained weights: they may differ between a checkpoint and the run resuming it.
+NON_MATH_FIELDS: frozenset[str] = frozenset(
+    name for model in SECTIONS.values() for name, field in model.model_fields.items()
+    if _is_non_math(model.model_config.get("json_schema_extra")) or _is_non_math(field.json_schema_extra)
+)

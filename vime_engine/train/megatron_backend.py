@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from vime_engine.algorithms.estimators import ESTIMATORS
 from vime_engine.algorithms.token_log_probs import token_log_probs_and_entropy
 from vime_engine.config import EngineConfig
 from vime_engine.checkpoint.manifest import ChecksumMismatch, FileEntry, verify_local_tree
@@ -64,8 +65,9 @@ class MegatronTrainBackend:
 
         from vime_engine.train import megatron_model as mm
 
-        if cfg.algorithm.advantage_estimator == "ppo":
-            raise mm.MegatronSetupError("--advantage-estimator ppo needs a critic: use --train-backend torch")
+        if ESTIMATORS[cfg.algorithm.advantage_estimator].needs_critic:
+            raise mm.MegatronSetupError(f"--advantage-estimator {cfg.algorithm.advantage_estimator} needs a critic: "
+                                        "use --train-backend torch")
         self.mm, self.ps = mm, parallel_state
         self.layout = mm.ParallelLayout.from_flags(cfg.megatron)
         mm.init_distributed(self.accelerator, self.layout, cfg.train.seed)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from vime_engine.algorithms.estimators import ESTIMATORS
 from vime_engine.algorithms.losses import (
     gspo_policy_loss,
     kl_penalty,
@@ -38,7 +39,7 @@ class MicroBatchTargets:
     old_log_probs: Tensor | None
     rollout_log_probs: Tensor  # what vLLM reported while sampling
     ref_log_probs: Tensor | None = None
-    returns: Tensor | None = None  # ppo critic targets
+    returns: Tensor | None = None  # critic targets (an estimator that needs a critic)
     old_values: Tensor | None = None
 
 
@@ -62,7 +63,7 @@ def micro_batch_loss(
     reduce = loss_reducer(
         tgt.response_lengths, tgt.loss_mask, alg.calculate_per_token_loss, global_num_tokens, global_num_samples
     )
-    if alg.advantage_estimator == "gspo":
+    if ESTIMATORS[alg.advantage_estimator].sequence_level_loss:
         pg, clipped = gspo_policy_loss(
             out.log_probs, old_log_probs, tgt.advantages, tgt.response_lengths, tgt.loss_mask,
             alg.eps_clip, cfg.eps_clip_high,
@@ -99,8 +100,9 @@ def micro_batch_loss(
 
 
 def needs_reference(cfg: EngineConfig) -> bool:
+    """A reference model: for the KL loss, or for the KL in the reward of an estimator that folds --kl-coef into it."""
     alg = cfg.algorithm
-    return alg.use_kl_loss or (alg.kl_coef > 0 and alg.advantage_estimator != "grpo")
+    return alg.use_kl_loss or (alg.kl_coef > 0 and ESTIMATORS[alg.advantage_estimator].uses_reward_kl)
 
 
 def response_log_probs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:

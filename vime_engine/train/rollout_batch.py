@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from vime_engine.algorithms.advantages import AdvantageInputs, AdvantageResult
+from vime_engine.algorithms.estimators import ESTIMATORS
 from vime_engine.algorithms.losses import kl_penalty
 from vime_engine.config import EngineConfig
 from vime_engine.sample import Sample
@@ -56,9 +57,9 @@ def old_log_probs_from_training_forward(cfg: EngineConfig, num_samples: int) -> 
     """Whether a rollout's old log-probs can be the training forward's own, detached, instead of a separate
     no-grad pass over the rollout first: yes when the rollout is one optimizer step (the policy has not moved
     when any micro-batch's forward runs, so old == current) and the advantages do not read them before training
-    (the reinforce++ estimators' KL to the reference with `--kl-coef`)."""
+    (the KL to the reference of an estimator that folds `--kl-coef` into the reward)."""
     alg = cfg.algorithm
-    kl_in_advantages = alg.advantage_estimator.startswith("reinforce_plus_plus") and alg.kl_coef != 0
+    kl_in_advantages = ESTIMATORS[alg.advantage_estimator].uses_reward_kl and alg.kl_coef != 0
     kl_in_advantages |= alg.custom_advantage_function_path is not None  # vime's function may read them
     return len(global_batches(num_samples, cfg.global_batch_size)) == 1 and not kl_in_advantages
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from vime_engine.algorithms.estimators import ESTIMATORS
 from vime_engine.algorithms.packing import split_to_count
 from vime_engine.algorithms.token_log_probs import token_log_probs_and_entropy
 from vime_engine.config import EngineConfig
@@ -90,7 +91,7 @@ class TorchTrainBackend:
             self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, torch_dtype=dtype).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         self.critic = None
-        if cfg.algorithm.advantage_estimator == "ppo":
+        if ESTIMATORS[cfg.algorithm.advantage_estimator].needs_critic:
             self.critic = ValueHead(cfg.model.hf_checkpoint, dtype).to(self.device)
         t = cfg.train
         self.dp = DataParallel.from_default_group(str(self.device))

@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 
 from vime_engine.algorithms.advantages import (
-    AdvantageInputs, AdvantageResult, compute_advantages, group_normalized_advantages, masked_whiten,
+    AdvantageInputs, AdvantageResult, group_normalized_advantages, masked_whiten,
 )
+from vime_engine.algorithms.estimators import ESTIMATORS, compute_advantages
 from vime_engine.config import EngineConfig
 from vime_engine.plugins.loading import call_plugin, load_hook
 from vime_engine.plugins.vime_args import vime_args
@@ -101,11 +102,13 @@ def _joined(per_sample: Any, key: str, lengths: list[int], like: Tensor) -> Tens
 
 
 def vime_default_rewards(cfg: EngineConfig, rewards: Tensor, group_size: int) -> Tensor:
-    """The rewards vime hands its advantage function when no post-process is given: group-normalised for the group
-    estimators (centred, and divided by the std for grpo / gspo unless disabled), raw otherwise."""
+    """The rewards vime hands its advantage function when no post-process is given: centred in their groups for an
+    estimator with a group baseline (and divided by the group's std where it is std-normalised, unless
+    --disable-grpo-std-normalization), raw otherwise."""
     alg = cfg.algorithm
-    if alg.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline"):
-        std = alg.advantage_estimator != "reinforce_plus_plus_baseline" and not alg.disable_grpo_std_normalization
+    spec = ESTIMATORS[alg.advantage_estimator]
+    if spec.group_baseline:
+        std = spec.std_normalized and not alg.disable_grpo_std_normalization
         return group_normalized_advantages(rewards, group_size, std)
     return rewards
 
