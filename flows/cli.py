@@ -140,11 +140,25 @@ def _summary_lines(summary: dict[str, float | None]) -> list[str]:
     return lines
 
 
-@app.command(context_settings=_PASS_THROUGH)
+def _train_help(ctx: typer.Context, asked: bool) -> None:
+    """The command's own options, then every engine flag from the config's schema (vime_engine/config/reference.py)."""
+    if not asked or ctx.resilient_parsing:
+        return
+    from vime_engine.config.reference import render_reference
+
+    typer.echo(ctx.get_help())
+    typer.echo("\nEngine flags (vime's names; a YAML file given by --config takes the same names, flags win):\n")
+    typer.echo(render_reference(), nl=False)
+    raise typer.Exit()
+
+
+@app.command(context_settings={**_PASS_THROUGH, "help_option_names": []})
 def train(
     ctx: typer.Context,
     config: Path = typer.Option(None, "--config", help="YAML of vime flags (default: configs/train-demo.yaml)"),
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
+    _help: bool = typer.Option(False, "--help", "-h", is_eager=True, expose_value=False, callback=_train_help,
+                               help="show this message and every engine flag, then exit"),
 ) -> None:
     """Run GRPO-style RL with vime flags, e.g. `vimeflow train --config my.yaml --num-rollout 20`."""
     from flows.console_view import LiveView, engine_warnings_on, output_to_file, quiet_environment

@@ -43,12 +43,14 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     prompt_data: str = non_math(description="prompt dataset, .jsonl or .parquet")
-    input_key: str = "prompt"
-    label_key: str = "label"
-    metadata_key: str | None = None
+    input_key: str = Field("prompt", description="the row's key holding the prompt")
+    label_key: str = Field("label", description="the row's key holding the label the reward grades against")
+    metadata_key: str | None = Field(
+        None, description="the row's key holding metadata for rewards and plugins (sample.metadata)"
+    )
     apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's chat template")
     rollout_shuffle: bool = Field(False, description="shuffle the prompts every epoch")
-    rollout_seed: int = 42
+    rollout_seed: int = Field(42, description="seed of the prompt shuffle and of every group's sampling")
     rollout_max_prompt_len: int | None = Field(
         None, ge=1, description="drop prompts longer than this many tokens (chat template applied), train and eval"
     )
@@ -57,10 +59,12 @@ class DataConfig(_Section):
 class RolloutConfig(_Section):
     num_rollout: int = non_math(1, ge=0, description="number of rollout → train iterations; 0 = eval only")
     rollout_batch_size: int = Field(8, ge=1, description="prompts per rollout")
-    n_samples_per_prompt: int = Field(4, ge=1)
-    rollout_max_response_len: int = Field(64, ge=1)
-    rollout_temperature: float = Field(1.0, gt=0)
-    rollout_top_p: float = Field(1.0, gt=0, le=1)
+    n_samples_per_prompt: int = Field(4, ge=1, description="responses sampled per prompt (one group)")
+    rollout_max_response_len: int = Field(64, ge=1, description="the most tokens a response may hold")
+    rollout_temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    rollout_top_p: float = Field(
+        1.0, gt=0, le=1, description="nucleus sampling: the most likely tokens holding this much probability"
+    )
     rollout_top_k: int = Field(-1, description="-1 disables top-k")
     over_sampling_batch_size: int | None = Field(None, ge=1, description="prompts generated per draw when filtering")
     dynamic_sampling_filter_path: str | None = non_math(
@@ -90,8 +94,10 @@ class RolloutConfig(_Section):
     rollout_max_context_len: int | None = Field(
         None, ge=2, description="tokens a multi-turn sample may hold: prompt, every turn and every tool reply"
     )
-    rollout_num_gpus: int | None = non_math(None)
-    rollout_num_gpus_per_engine: int = non_math(1)
+    rollout_num_gpus: int | None = non_math(
+        None, description="devices of the rollout engines when not colocated; default: one engine"
+    )
+    rollout_num_gpus_per_engine: int = non_math(1, description="devices per vLLM engine (tensor parallel inside it)")
     # slime's names: watch the disaggregated engines, restart a dead one and re-generate its groups.
     use_fault_tolerance: bool = non_math(
         False, description="restart a rollout engine that dies or stops answering, reload the current weights "
@@ -107,8 +113,10 @@ class RolloutConfig(_Section):
     rollout_max_engine_restarts: int = non_math(
         3, ge=0, description="engine restarts a run may make; one more death ends it with the retryable exit code"
     )
-    vllm_gpu_memory_utilization: float = non_math(0.6, gt=0, le=1)
-    vllm_max_model_len: int | None = None
+    vllm_gpu_memory_utilization: float = non_math(
+        0.6, gt=0, le=1, description="share of an accelerator's memory vLLM may take"
+    )
+    vllm_max_model_len: int | None = Field(None, description="vLLM's context length; default: the model's")
     vllm_kv_cache_gb: float = non_math(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)")
     # "auto" = the device's best (vime_engine/rollout/vllm_engine.py: device_engine_kwargs); a value given wins.
     vllm_enforce_eager: bool | Literal["auto"] = non_math(
@@ -162,23 +170,33 @@ KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 
 
 class AlgorithmConfig(_Section):
-    advantage_estimator: str = Field("grpo", description="a name in ESTIMATORS, vime_engine/algorithms/estimators.py")
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: KLType = "low_var_kl"
+    advantage_estimator: str = Field(
+        "grpo", description=f"{' | '.join(ESTIMATORS)} (the table: vime_engine/algorithms/estimators.py)"
+    )
+    use_kl_loss: bool = Field(False, description="add a KL term against the reference model to the loss")
+    kl_loss_coef: float = Field(0.0, description="weight of the KL loss (--use-kl-loss)")
+    kl_loss_type: KLType = Field("low_var_kl", description="estimator of the KL loss: k1, k2, k3 or low_var_kl")
     kl_coef: float = Field(0.0, description="KL penalty folded into the reward (estimators with uses_reward_kl)")
-    entropy_coef: float = 0.0
-    eps_clip: float = Field(0.2, ge=0)
+    entropy_coef: float = Field(0.0, description="weight of the entropy bonus in the loss")
+    eps_clip: float = Field(
+        0.2, ge=0, description="PPO clip range below the ratio 1 (and above it, without --eps-clip-high)"
+    )
     eps_clip_high: float | None = Field(None, ge=0, description="defaults to --eps-clip")
     eps_clip_c: float | None = Field(None, gt=1, description="dual-clip constant (> 1)")
-    normalize_advantages: bool = False
-    disable_grpo_std_normalization: bool = False
-    use_tis: bool = False
-    tis_clip: float = Field(2.0, gt=0)
-    calculate_per_token_loss: bool = False
-    gamma: float = Field(1.0, ge=0, le=1)
-    lambd: float = Field(1.0, ge=0, le=1)
-    value_clip: float = Field(0.2, gt=0)
+    normalize_advantages: bool = Field(False, description="whiten the advantages over the rollout's trained tokens")
+    disable_grpo_std_normalization: bool = Field(
+        False, description="centre a group's rewards without dividing by their std"
+    )
+    use_tis: bool = Field(
+        False, description="truncated importance sampling: weight the loss by the train / rollout probability ratio"
+    )
+    tis_clip: float = Field(2.0, gt=0, description="upper clip of the TIS weight")
+    calculate_per_token_loss: bool = Field(
+        False, description="average the loss over the batch's tokens instead of over its samples"
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="discount factor (ppo, reinforce_plus_plus)")
+    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo)")
+    value_clip: float = Field(0.2, gt=0, description="clip range of the critic's value loss (ppo)")
     custom_advantage_function_path: str | None = non_math(
         None, description="`(args, rollout_data) -> None`: sets rollout_data['advantages'] and ['returns']"
     )
@@ -198,25 +216,33 @@ class TrainConfig(_Section):
         "and optimizer state sharded over the ranks (FSDP2); megatron: Megatron-Core, with tensor, pipeline and "
         "data parallelism")
     global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step")
-    num_steps_per_rollout: int | None = Field(None, ge=1)
-    use_dynamic_batch_size: bool = False
-    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    num_steps_per_rollout: int | None = Field(
+        None, ge=1, description="optimizer steps per rollout; default: the rollout's samples / --global-batch-size"
+    )
+    use_dynamic_batch_size: bool = Field(
+        False, description="micro-batches by token budget (--max-tokens-per-gpu) even with --micro-batch-size"
+    )
+    max_tokens_per_gpu: int | None = Field(
+        None, ge=1, description="padded tokens per micro-batch; default: from the model and a quarter of device memory"
+    )
     micro_batch_size: int | None = Field(
         None, ge=1, description="samples per micro-batch; unset: micro-batches by token budget (--max-tokens-per-gpu)")
     balance_data: bool = non_math(
         False, description="even out tokens across data-parallel ranks in each optimizer step")
-    optimizer: Literal["adam"] = "adam"
-    lr: float = Field(1e-6, gt=0)
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    lr_warmup_iters: int = Field(0, ge=0)
+    optimizer: Literal["adam"] = Field("adam", description="the optimizer (Adam with decoupled weight decay)")
+    lr: float = Field(1e-6, gt=0, description="learning rate")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="constant, or linear / cosine decay to --min-lr"
+    )
+    lr_warmup_iters: int = Field(0, ge=0, description="optimizer steps of linear warmup")
     lr_decay_iters: int | None = Field(None, ge=1, description="optimizer steps of the decay; default: the whole run")
-    min_lr: float = Field(0.0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
+    min_lr: float = Field(0.0, ge=0, description="the learning rate the decay ends at")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    adam_beta1: float = Field(0.9, description="Adam's beta1")
+    adam_beta2: float = Field(0.999, description="Adam's beta2")
+    adam_eps: float = Field(1e-8, description="Adam's epsilon")
     clip_grad: float = Field(1.0, ge=0, description="0 disables gradient clipping")
-    seed: int = 1234
+    seed: int = Field(1234, description="the trainer's torch seed")
 
 
 class PlacementConfig(_Section):
@@ -225,36 +251,42 @@ class PlacementConfig(_Section):
         "node with the torch backend, unless a flag needs the engine on its own actor"
     )
     async_rollout: bool = Field(False, description="generate rollout i+1 while training on i (not colocated)")
-    actor_num_nodes: int = non_math(1, ge=1)
-    actor_num_gpus_per_node: int = non_math(1, ge=1)
+    actor_num_nodes: int = non_math(1, ge=1, description="nodes of the trainer group")
+    actor_num_gpus_per_node: int = non_math(1, ge=1, description="trainer ranks (devices) per node")
     ray_address: str | None = non_math(None, description="Ray cluster address; default: a private local cluster")
-    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        "auto", description="cpu, cuda or npu; auto: what the machine has"
+    )
     weight_sync: Literal["object_store", "broadcast"] = non_math(
         "object_store", description="disaggregated weight sync: Ray's object store or a bucketed collective broadcast"
     )
-    weight_sync_bucket_mb: float = non_math(64, gt=0)
+    weight_sync_bucket_mb: float = non_math(64, gt=0, description="bucket size of the broadcast weight sync (MiB)")
 
 
 class CheckpointConfig(_Section):
     save: str | None = non_math(None, description="checkpoint directory")
-    save_interval: int | None = non_math(None, ge=1)
-    load: str | None = non_math(None)
+    save_interval: int | None = non_math(None, ge=1, description="save every N rollouts (and after the last)")
+    load: str | None = non_math(
+        None, description="resume from the newest valid checkpoint in this directory; default: --save"
+    )
     ref_load: str | None = non_math(None, description="reference model for the KL term (default: --hf-checkpoint)")
-    start_rollout_id: int | None = non_math(None, ge=0)
-    keep_last: int | None = non_math(None, ge=1)
+    start_rollout_id: int | None = non_math(
+        None, ge=0, description="the first rollout id; default: the loaded checkpoint's next, else 0"
+    )
+    keep_last: int | None = non_math(None, ge=1, description="keep only the newest N checkpoints")
     save_hf: str | None = non_math(None, description="export the final weights as an HF directory")
 
 
 class EvalConfig(_Section):
     eval_prompt_data: list[str] | None = non_math(None, description="NAME PATH [NAME PATH ...]")
-    eval_interval: int | None = non_math(None, ge=1)
-    n_samples_per_eval_prompt: int = non_math(1, ge=1)
-    eval_max_response_len: int | None = non_math(None)
-    eval_temperature: float | None = non_math(None)
-    eval_top_p: float | None = non_math(None)
-    eval_input_key: str | None = non_math(None)
-    eval_label_key: str | None = non_math(None)
-    eval_rm_type: str | None = non_math(None)
+    eval_interval: int | None = non_math(None, ge=1, description="evaluate every N rollouts (and after the last)")
+    n_samples_per_eval_prompt: int = non_math(1, ge=1, description="responses per eval problem (avg@n, pass@k)")
+    eval_max_response_len: int | None = non_math(None, description="default: --rollout-max-response-len")
+    eval_temperature: float | None = non_math(None, description="default: --rollout-temperature")
+    eval_top_p: float | None = non_math(None, description="default: --rollout-top-p")
+    eval_input_key: str | None = non_math(None, description="default: --input-key")
+    eval_label_key: str | None = non_math(None, description="default: --label-key")
+    eval_rm_type: str | None = non_math(None, description="default: --rm-type")
     eval_function_path: str | None = non_math(
         None, description="vime's whole eval-rollout function; refused: our eval runs vLLM in-process"
     )
@@ -263,18 +295,18 @@ class EvalConfig(_Section):
 class LoggingConfig(_Section):
     model_config = ConfigDict(json_schema_extra=NON_MATH)  # what is logged where never changes the weights
     output_dir: str = Field("runs/latest", description="metrics.jsonl, tensorboard, eval results")
-    use_tensorboard: bool = False
+    use_tensorboard: bool = Field(False, description="write TensorBoard events under --output-dir")
     # A resumed run (the same --save) continues the same W&B and MLflow runs: vime_engine/tracking/.
-    use_wandb: bool = False
+    use_wandb: bool = Field(False, description="log to Weights & Biases")
     wandb_project: str | None = Field(None, description="default: vimeflow")
     wandb_team: str | None = Field(None, description="W&B entity; default: the account's default entity")
-    wandb_group: str | None = None
+    wandb_group: str | None = Field(None, description="the W&B group of the run")
     wandb_run_id: str | None = Field(None, description="W&B run to create or continue; default: kept in --save")
     wandb_mode: Literal["online", "offline"] | None = Field(
         None, description="default: W&B's own setting (WANDB_MODE, `wandb offline`); offline needs no network"
     )
     wandb_dir: str | None = Field(None, description="where W&B keeps its files; default: --output-dir")
-    use_mlflow: bool = False
+    use_mlflow: bool = Field(False, description="log to MLflow")
     mlflow_tracking_uri: str | None = Field(
         None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///<output-dir>/mlflow.db"
     )
