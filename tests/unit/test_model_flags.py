@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from vime_engine.config import parse_flags
@@ -23,6 +25,13 @@ QWEN3_4B_CONFIG = {
     "rms_norm_eps": 1e-6, "rope_theta": 5000000, "vocab_size": 151936, "tie_word_embeddings": True,
     "attention_bias": False, "max_position_embeddings": 262144,
 }
+# The same flags for the built-in tiny Qwen3 (vime_engine/models/builtin.py): 2 layers, hidden 128, 4 heads, 2 kv heads.
+TINY_QWEN3_MODEL_FLAGS = [
+    "--swiglu", "--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--use-rotary-position-embeddings", "--disable-bias-linear",
+    "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--rotary-base", "10000", "--vocab-size", "434",
+    "--kv-channels", "32", "--qk-layernorm",
+]
 # vime's scripts/models/qwen2.5-1.5B.sh and the fields of that model.
 QWEN25_FLAGS = [
     "--swiglu", "--num-layers", "28", "--hidden-size", "1536", "--ffn-hidden-size", "8960",
@@ -72,3 +81,9 @@ def test_a_rope_theta_under_rope_parameters_counts_like_a_top_level_one():
     config = {**QWEN3_4B_CONFIG, "rope_parameters": {"rope_theta": 5000000.0, "rope_type": "default"}}
     del config["rope_theta"]
     _check(["--rotary-base", "5000000"], config)
+
+
+def test_the_tiny_models_flags_describe_it(tiny_model):
+    _check(TINY_QWEN3_MODEL_FLAGS, json.loads((tiny_model / "config.json").read_text()))
+    with pytest.raises(ModelFlagMismatch, match="--num-layers 3 disagrees with config.json num_hidden_layers = 2"):
+        _check(["--num-layers", "3"], json.loads((tiny_model / "config.json").read_text()))
