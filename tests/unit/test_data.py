@@ -113,7 +113,13 @@ def test_blank_lines_are_skipped_but_counted(tmp_path):
         ),
         ([{"prompt": "ok", "label": "1", "m": 1}], {"metadata_key": "m"}, r"row 1, key 'm': expected metadata as an object"),
         ([{"prompt": 5, "label": "1"}], {}, r"row 1, key 'prompt': expected a prompt string .*found int 5"),
-        ([{"prompt": "   ", "label": "1"}], {}, r"row 1, key 'prompt': the prompt is empty"),
+        ([{"prompt": "   ", "label": "1"}], {}, r"row 1, key 'prompt': the prompt is empty; write it or drop"),
+        (
+            [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": c}], "label": "1"}
+             for c in ("ok", "\n")],
+            {},
+            r"row 2, key 'prompt', message 1: the user message is empty; write it or drop the row",
+        ),
         ([{"prompt": [{"role": "user"}], "label": "1"}], {}, r"row 1, key 'prompt', message 0: expected \{\"role\": str"),
         ([{"prompt": "ok", "label": ["1", "2"]}], {}, r"row 1, key 'label': expected the label as a string or a number, found list"),
     ],
@@ -123,6 +129,13 @@ def test_errors_name_file_row_and_key(tmp_path, fmt, rows, kwargs, message):
     with pytest.raises(DatasetError, match=message) as info:
         load_prompt_dataset(path, **kwargs)
     assert str(info.value).startswith(str(path))
+
+
+def test_an_empty_system_or_assistant_message_is_kept(tmp_path):
+    # only the user's turn must say something: an empty system prompt or a prefilled empty answer is a choice
+    rows = [{"prompt": [{"role": "system", "content": ""}, {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": ""}], "label": "1"}]
+    assert load_prompt_dataset(write_jsonl(tmp_path / "chat.jsonl", rows))[0].prompt == rows[0]["prompt"]
 
 
 def test_unreadable_jsonl_line(tmp_path):

@@ -169,12 +169,19 @@ def _lookup(where: str, row: dict[str, Any], key: str, flag: str) -> Any:
 
 
 def _prompt(where: str, key: str, value: Any) -> Prompt:
+    """The row's prompt; an empty one (or an empty user message in a conversation) is refused, since the model
+    would be trained on answers to nothing (vime reads such rows in silence)."""
     if isinstance(value, str):
         if not value.strip():
-            raise DatasetError(f"{where}, key {key!r}: the prompt is empty")
+            raise DatasetError(f"{where}, key {key!r}: the prompt is empty; write it or drop the row")
         return value
     if isinstance(value, list) and value:
-        return [_message(where, key, i, m) for i, m in enumerate(value)]
+        messages = [_message(where, key, i, m) for i, m in enumerate(value)]
+        empty = next((i for i, m in enumerate(messages) if m["role"] == "user" and not m["content"].strip()), None)
+        if empty is not None:
+            raise DatasetError(f"{where}, key {key!r}, message {empty}: the user message is empty; write it or drop "
+                               "the row")
+        return messages
     raise DatasetError(
         f"{where}, key {key!r}: expected a prompt string or a non-empty list of "
         f'{{"role", "content"}} messages, found {_describe(value)}'
