@@ -2,13 +2,15 @@
 
 A mistake in the model directory, a checkpoint or any row of a dataset would otherwise surface seconds or
 minutes later inside a Ray actor or vLLM, as a traceback. `preflight(cfg)` reads them all first: the training
-backend's packages, the model and reference directories, `--load` and the checkpoint a run would resume from,
-the custom functions it would import, and every row of the training and eval datasets (keys, types, labels the
-reward can grade, prompts that render and fit the model's context). Each failure is a `PreflightError`, a
-`ConfigError`: one message naming the flag, file or row and the fix.
+backend's packages, the model and reference directories (config.json, every safetensors header against its file's
+size, the context against the length flags), `--load`, `--save` and the checkpoint a run would resume from, the
+custom functions it would import, and every row of the training and eval datasets (keys, types, empty prompts,
+labels the reward can grade, prompts that render and fit the model's context). Each failure is a
+`PreflightError`, a `ConfigError`: one message naming the flag, file or row and the fix.
 
-The two halves can run apart: `check_inputs` takes a moment, `check_datasets` seconds (the tokenizer), so the
-driver runs the first before Ray starts and the second while Ray starts.
+The two halves can run apart: `check_inputs` takes a moment (it reads the rows too, without a tokenizer: a missing
+file, bad JSON or a missing key needs none), `check_datasets` seconds (the tokenizer), so the driver runs the
+first before Ray starts and the second while Ray starts.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from vime_engine.checkpoint import store as ckpt
 from vime_engine.config import ConfigError, EngineConfig
-from vime_engine.data.datasets import DatasetError, read_prompt_rows
+from vime_engine.data.datasets import DatasetError, NumberedRecord, read_prompt_rows
 from vime_engine.data.prompt_length import FLAG as MAX_PROMPT_FLAG
 from vime_engine.data.prompt_length import load_tokenizer, prompt_lengths, short_enough
 from vime_engine.rewards.labels import label_problem
@@ -45,12 +48,15 @@ def preflight(cfg: EngineConfig) -> None:
 
 
 def check_inputs(cfg: EngineConfig) -> None:
-    """Everything but the dataset rows: the packages, model, checkpoints and plugins (fast: no tokenizer is
-    loaded, no file read whole)."""
+    """Everything the tokenizer is not needed for: the packages, the model (its config.json, its weights' headers
+    and its context against the length flags), checkpoints, plugins, and every dataset row's keys and types (fast:
+    no tokenizer is loaded, no tensor read)."""
     if cfg.train.train_backend == "megatron":
         require_megatron()
     model_config = check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
-    _check_model_flags(cfg.megatron, model_config, Path(cfg.model.hf_checkpoint) / "config.json")
+    config_file = Path(cfg.model.hf_checkpoint) / "config.json"
+    _check_model_flags(cfg.megatron, model_config, config_file)
+    _check_context_limits(cfg, model_config, config_file)
     ref_load = cfg.checkpoint.ref_load
     torch_dist_ref = ref_load is not None and _is_converted_checkpoint(ref_load)
     if torch_dist_ref:
@@ -63,6 +69,8 @@ def check_inputs(cfg: EngineConfig) -> None:
             _check_megatron_mapping(ref_load, "--ref-load")
     _check_plugins(cfg)
     _check_checkpoints(cfg)
+    for dataset in _datasets(cfg):
+        _read_rows(dataset)
 
 
 def check_datasets(cfg: EngineConfig) -> None:
@@ -71,15 +79,77 @@ def check_datasets(cfg: EngineConfig) -> None:
     tokenizer = _tokenizer(cfg.model.hf_checkpoint)
     model_config = check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
     context = cfg.rollout.vllm_max_model_len or _max_positions(model_config)
-    train_rm = None if cfg.reward.custom_rm_path else cfg.reward.rm_type
+    for dataset in _datasets(cfg):
+        _check_dataset(cfg, dataset, tokenizer, context)
+
+
+class _Dataset(NamedTuple):
+    """A dataset the run reads, with what it is read with."""
+    flag: str  # how messages name it: `--prompt-data`, `--eval-prompt-data NAME`
+    path: str
+    keys: tuple[str, str, str | None, str]  # input, label and metadata keys; the prefix of their flags
+    rm_type: str | None  # the built-in reward grading it (None: a custom one)
+    response_len: int
+
+
+def _datasets(cfg: EngineConfig) -> list[_Dataset]:
+    """The training set and every eval set: each gets the same checks, at the same time."""
     d, e = cfg.data, cfg.eval
-    _check_dataset(cfg, "--prompt-data", d.prompt_data, (d.input_key, d.label_key, d.metadata_key, "--"),
-                   train_rm, cfg.rollout.rollout_max_response_len, tokenizer, context)
-    for name, path in cfg.eval_datasets:
-        _check_dataset(cfg, f"--eval-prompt-data {name}", path,
-                       (e.eval_input_key or d.input_key, e.eval_label_key or d.label_key, None, "--eval-"),
-                       e.eval_rm_type or train_rm, e.eval_max_response_len or cfg.rollout.rollout_max_response_len,
-                       tokenizer, context)
+    train_rm = None if cfg.reward.custom_rm_path else cfg.reward.rm_type  # a custom reward takes precedence
+    response_len = cfg.rollout.rollout_max_response_len
+    return [
+        _Dataset("--prompt-data", d.prompt_data, (d.input_key, d.label_key, d.metadata_key, "--"), train_rm,
+                 response_len),
+        *(_Dataset(f"--eval-prompt-data {name}", path,
+                   (e.eval_input_key or d.input_key, e.eval_label_key or d.label_key, None, "--eval-"),
+                   e.eval_rm_type or train_rm, e.eval_max_response_len or response_len)
+          for name, path in cfg.eval_datasets),
+    ]
+
+
+def _read_rows(dataset: _Dataset) -> list[NumberedRecord]:
+    """Every row of `dataset`: the file is there, each row parses, has its keys with values of the right types and
+    a prompt that is not empty (datasets.read_prompt_rows)."""
+    try:
+        return read_prompt_rows(dataset.path, *dataset.keys)
+    except DatasetError as exc:
+        raise PreflightError(f"{dataset.flag}: {exc}") from None
+
+
+def _check_context_limits(cfg: EngineConfig, model_config: dict[str, Any], config_file: Path) -> None:
+    """The length flags fit the model's context: `max_position_embeddings`, what the engine gives vLLM unless
+    --vllm-max-model-len is set (those against --vllm-max-model-len: config/checks.py). vime checks none of them;
+    vLLM cuts every response at the context in silence, and refuses a longer --vllm-max-model-len only inside a
+    worker. Refused here instead, naming the flag and the limit."""
+    model_context = _max_positions(model_config)
+    if model_context is None:
+        return
+    r, e = cfg.rollout, cfg.eval
+    limit = f"the model's context of {model_context} tokens (max_position_embeddings in {config_file})"
+    if r.vllm_max_model_len is not None:
+        if r.vllm_max_model_len > model_context and not _rope_scaled(model_config):
+            raise PreflightError(f"--vllm-max-model-len {r.vllm_max_model_len} is beyond {limit}; give at most "
+                                 f"{model_context}, or leave it out")
+        return
+    for flag, value in (("--rollout-max-response-len", r.rollout_max_response_len),
+                        ("--eval-max-response-len", e.eval_max_response_len)):
+        if value is not None and value >= model_context:
+            raise PreflightError(f"{flag} {value} leaves no room for the prompt within {limit}; give less than "
+                                 f"{model_context}")
+    if r.rollout_max_context_len is not None and r.rollout_max_context_len > model_context:
+        raise PreflightError(f"--rollout-max-context-len {r.rollout_max_context_len} is beyond {limit}; give at most "
+                             f"{model_context}")
+
+
+def _rope_scaled(model_config: dict[str, Any]) -> bool:
+    """Whether the config stretches RoPE past max_position_embeddings (YaRN, linear, dynamic): vLLM then accepts a
+    --vllm-max-model-len up to the stretched length."""
+    for section in (model_config, model_config.get("text_config") or {}):
+        for key in ("rope_scaling", "rope_parameters"):
+            scaling = section.get(key)
+            if isinstance(scaling, dict) and scaling.get("factor") not in (None, 1, 1.0):
+                return True
+    return False
 
 
 def module_available(name: str) -> bool:
@@ -161,7 +231,74 @@ def check_model_dir(path: str, flag: str) -> dict[str, Any]:
         raise PreflightError(f"{flag} {config_file}: expected a JSON object; restore the model's config.json")
     if not any(directory.glob("*.safetensors")) and not any(directory.glob("pytorch_model*.bin")):
         raise PreflightError(f"{flag} {path}: no weights (*.safetensors or pytorch_model*.bin); {fix}")
+    _check_weight_files(directory, flag)
     return config
+
+
+class DamagedSafetensors(ValueError):
+    """A safetensors file whose bytes do not match its own header (truncated, cut short, or not safetensors)."""
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The tensors a safetensors file declares (name → dtype, shape, data_offsets), from its header alone.
+
+    The format is an 8-byte little-endian header length, that many bytes of JSON, then the tensor data, whose
+    extent is the largest end offset in the header: a complete file is exactly 8 + header + data bytes. Checking
+    that costs a stat and a read of the header, where loading the tensors would find a truncated download only
+    inside a worker. Raises DamagedSafetensors saying what does not add up."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise DamagedSafetensors(f"{size} bytes, too short for the 8-byte header length")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8:
+            raise DamagedSafetensors(f"{size} bytes, but its header length says {header_len} bytes of header follow")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError is one
+        raise DamagedSafetensors(f"its {header_len}-byte header is not valid JSON") from None
+    not_a_header = DamagedSafetensors("its header is not a safetensors header (tensor name → dtype, shape, "
+                                      "data_offsets)")
+    if not isinstance(header, dict):
+        raise not_a_header
+    tensors = {name: spec for name, spec in header.items() if name != "__metadata__"}
+    try:
+        data_end = max((spec["data_offsets"][1] for spec in tensors.values()), default=0)
+    except (TypeError, KeyError, IndexError):
+        raise not_a_header from None
+    if not isinstance(data_end, int):
+        raise not_a_header
+    expected = 8 + header_len + data_end
+    if size != expected:
+        raise DamagedSafetensors(f"{size} bytes, but its header declares {expected} (8 + {header_len} of header + "
+                                 f"{expected - 8 - header_len} of tensor data)")
+    return tensors
+
+
+def _check_weight_files(directory: Path, flag: str) -> None:
+    """Every safetensors file of the model holds the bytes its header declares, and every shard the index names is
+    there: a download or conversion cut short is refused before any worker loads it."""
+    fix = "download (or convert) the model again"
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            safetensors_header(file)
+        except DamagedSafetensors as exc:
+            raise PreflightError(f"{flag} {file}: truncated or corrupt ({exc}); {fix}") from None
+        except OSError as exc:
+            raise PreflightError(f"{flag} {file}: cannot read it ({exc.strerror or exc}); {fix}") from None
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise PreflightError(f"{flag} {index}: not a safetensors index (a JSON object with a weight_map); {fix}") \
+                from None
+        missing = sorted(str(s) for s in shards if not (directory / str(s)).is_file())
+        if missing:
+            raise PreflightError(f"{flag} {directory}: {index.name} names {len(missing)} file(s) that are not there "
+                                 f"({', '.join(missing[:3])}); {fix}")
 
 
 def _max_positions(model_config: dict[str, Any]) -> int | None:
@@ -213,8 +350,9 @@ def _check_plugins(cfg: EngineConfig) -> None:
 
 def _check_checkpoints(cfg: EngineConfig) -> None:
     c = cfg.checkpoint
-    if c.save is not None and Path(c.save).exists() and not Path(c.save).is_dir():
-        raise PreflightError(f"--save {c.save}: a file, not a directory; give a directory for the checkpoints")
+    for flag, directory in (("--save", c.save), ("--save-hf", c.save_hf)):
+        if directory is not None:
+            _check_can_make_dir(Path(directory), flag)
     if c.load is not None and c.load != c.save:  # --load X --save X is vime's resume-if-there idiom
         load = Path(c.load)
         fix = "give the --save directory of an earlier run, or drop --load to start from --hf-checkpoint"
@@ -225,6 +363,17 @@ def _check_checkpoints(cfg: EngineConfig) -> None:
     root = c.load or c.save
     if root is not None:
         _check_same_model(root, "--load" if c.load else "--save", cfg.model.hf_checkpoint)
+
+
+def _check_can_make_dir(directory: Path, flag: str) -> None:
+    """`directory` is one, or can be made: no file stands at it or at a folder above it (the run would fail at its
+    first save, minutes in, with NotADirectoryError)."""
+    fix = "give a directory for the checkpoints"
+    if directory.exists() and not directory.is_dir():
+        raise PreflightError(f"{flag} {directory}: a file, not a directory; {fix}")
+    blocking = next((p for p in directory.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise PreflightError(f"{flag} {directory}: {blocking} is a file, so no directory can be made under it; {fix}")
 
 
 def _check_same_model(root: str, flag: str, model_dir: str) -> None:
@@ -256,26 +405,22 @@ def _check_same_model(root: str, flag: str, model_dir: str) -> None:
 
 
 def _tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
-    from safetensors import SafetensorError, safe_open
-
     shapes: dict[str, list[int]] = {}
     for file in files:
         try:
-            with safe_open(str(file), "pt") as f:
-                shapes.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
-        except (SafetensorError, OSError):
+            shapes.update({name: list(spec.get("shape", [])) for name, spec in safetensors_header(file).items()})
+        except (DamagedSafetensors, OSError):
             return {}  # unreadable: the loader reports it with its own error
     return shapes
 
 
-def _check_dataset(
-    cfg: EngineConfig, flag: str, path: str, keys: tuple[str, str, str | None, str], rm_type: str | None,
-    response_len: int, tokenizer: Any, context: int | None,
-) -> None:
-    """Every row: readable, its keys and types right, a label the reward can grade, a prompt that renders and,
-    within --rollout-max-prompt-len (longer ones are dropped at load, as in slime), fits the model's context."""
+def _check_dataset(cfg: EngineConfig, dataset: _Dataset, tokenizer: Any, context: int | None) -> None:
+    """Every row (read again: `check_inputs` read them without a tokenizer) renders to a prompt, has a label the
+    reward can grade and, within --rollout-max-prompt-len (longer ones are dropped at load, as in slime), fits the
+    model's context."""
+    flag, path, keys, rm_type, response_len = dataset
+    rows = _read_rows(dataset)
     try:
-        rows = read_prompt_rows(path, *keys)
         lengths = prompt_lengths(path, rows, tokenizer, cfg.data.apply_chat_template)
         kept = short_enough(path, rows, lengths, cfg.data.rollout_max_prompt_len)
     except DatasetError as exc:

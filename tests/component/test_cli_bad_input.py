@@ -33,6 +33,8 @@ CASES = [
      ["c.yaml, line 2", "duplicate key 'num-rollout'"]),
     ("kl-coef-with-grpo", ["--kl-coef", "0.1", "--output-dir", "{tmp}/out"], None,
      ["--kl-coef 0.1", "--use-kl-loss --kl-loss-coef 0.1"]),
+    ("unknown-builtin-model", ["--hf-checkpoint", "builtin://no-such-model", "--output-dir", "{tmp}/out"], None,
+     ["--hf-checkpoint builtin://no-such-model", "no such built-in model", "builtin://tiny-qwen3"]),
 ]
 
 
@@ -67,3 +69,19 @@ def test_run_names_the_yaml_line_of_a_tab(tmp_path):
     assert run.returncode == 2
     assert "Traceback" not in run.stderr
     assert "pipeline.yaml, line 2" in run.stderr and "never tabs" in run.stderr
+
+
+def test_train_refuses_truncated_weights_before_ray_starts(tmp_path, tiny_model, data):
+    model = tmp_path / "model"
+    model.mkdir()
+    for path in tiny_model.iterdir():
+        if path.is_file():
+            (model / path.name).write_bytes(path.read_bytes())
+    weights = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(weights[:len(weights) // 2])  # a download cut short
+    run = _vimeflow("train", "--hf-checkpoint", str(model), "--prompt-data", str(data),
+                    "--save", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "out"))
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr and "Ray" not in run.stderr and "ActorDiedError" not in run.stderr
+    assert "model.safetensors: truncated or corrupt" in run.stderr and "download (or convert) the model" in run.stderr
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "out").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,11 +16,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from vime_engine.assets import resolve_config_assets
 from vime_engine.checkpoint import store as ckpt
 from vime_engine.config import ConfigError, from_flat, load_yaml
 from vime_engine.data.datasets import read_prompt_rows
 from vime_engine.data.prompt_length import load_prompts
-from vime_engine.preflight import PreflightError, module_available, preflight
+from vime_engine.preflight import (
+    DamagedSafetensors,
+    PreflightError,
+    check_inputs,
+    module_available,
+    preflight,
+    safetensors_header,
+)
 from vime_engine.rewards.dapo import dapo_reward
 
 GOOD_ROW = {"prompt": "What is 2 + 3?", "label": "5"}
@@ -47,6 +56,31 @@ def _as_model_type(dest: Path, model: Path, model_type: str) -> None:
             (dest / path.name).write_bytes(path.read_bytes())
     config = json.loads((model / "config.json").read_text())
     (dest / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+
+
+def damaged_model(damage: Callable[[Path], None]) -> Callable[[Path, Path], None]:
+    """Setup: a copy `m` of the tiny model, then `damage` (or another change) done to it."""
+    def setup(tmp: Path, model: Path) -> None:
+        (tmp / "m").mkdir()
+        for path in model.iterdir():
+            if path.is_file():
+                (tmp / "m" / path.name).write_bytes(path.read_bytes())
+        damage(tmp / "m")
+    return setup
+
+
+def _truncate(path: Path, lost: int) -> None:
+    """`path` without its last `lost` bytes, as a download cut short leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - lost])
+
+
+def _as_shards(model: Path) -> None:
+    """The weights as save_pretrained shards them: an index naming two files, the second of them missing."""
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                  "lm_head.weight": "model-00002-of-00002.safetensors"}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def copy_from_model(*names: str) -> Callable[[Path, Path], None]:
@@ -88,6 +122,29 @@ CASES = [
     Case("max-prompt-len-zero", {"rollout-max-prompt-len": 0}, DATA, ("--rollout-max-prompt-len", "greater than")),
     Case("response-fills-context", {"vllm-max-model-len": 64, "rollout-max-response-len": 64}, DATA,
          ("--rollout-max-response-len 64", "--vllm-max-model-len 64")),
+    Case("eval-response-fills-context", {"vllm-max-model-len": 100, "eval-max-response-len": 120}, DATA,
+         ("--eval-max-response-len 120", "no room for the prompt", "--vllm-max-model-len 100", "less than 100")),
+    Case("multi-turn-context-beyond-vllm-max-model-len", {"vllm-max-model-len": 512, "rollout-max-context-len": 600,
+         "custom-generate-function-path": "{tmp}/gen.py:generate"}, DATA,
+         ("--rollout-max-context-len 600", "beyond --vllm-max-model-len 512", "at most 512")),
+    # -- lengths against the model's context (the tiny model's max_position_embeddings: 1024) --------------------
+    Case("response-beyond-model-context", {"rollout-max-response-len": 100000}, DATA,
+         ("--rollout-max-response-len 100000", "the model's context of 1024 tokens", "max_position_embeddings in",
+          "config.json", "give less than 1024")),
+    Case("eval-response-beyond-model-context", {"eval-max-response-len": 1024}, DATA,
+         ("--eval-max-response-len 1024", "the model's context of 1024 tokens", "give less than 1024")),
+    Case("vllm-max-model-len-beyond-model-context", {"vllm-max-model-len": 4096}, DATA,
+         ("--vllm-max-model-len 4096", "beyond the model's context of 1024 tokens", "at most 1024")),
+    Case("multi-turn-context-beyond-model-context",
+         {"custom-generate-function-path": "{tmp}/gen.py:generate", "rollout-max-context-len": 2048}, DATA,
+         ("--rollout-max-context-len 2048", "beyond the model's context of 1024 tokens", "at most 1024")),
+    # -- built-in names -----------------------------------------------------------------------------------------
+    Case("builtin-model-unknown", {"hf-checkpoint": "builtin://no-such-model"}, DATA,
+         ("--hf-checkpoint builtin://no-such-model", "no such built-in model", "builtin://tiny-qwen3")),
+    Case("builtin-dataset-unknown", {"prompt-data": "builtin://no-such-set"}, {},
+         ("--prompt-data builtin://no-such-set", "no such built-in dataset", "builtin://arithmetic")),
+    Case("builtin-eval-dataset-unknown", {"eval-prompt-data": ["aime", "builtin://aime"]}, DATA,
+         ("--eval-prompt-data builtin://aime", "no such built-in dataset", "builtin://aime-synthetic")),
     # -- YAML ---------------------------------------------------------------------------------------------------
     Case("yaml-duplicate-key", yaml="num-rollout: 3\nlr: 1e-6\nnum-rollout: 30\n",
          expect=("c.yaml, line 3", "duplicate key 'num-rollout'", "line 1", "keep one")),
@@ -112,6 +169,12 @@ CASES = [
     Case("data-empty-label", {}, {"data.jsonl": jsonl(GOOD_ROW, GOOD_ROW, {"prompt": "p", "label": ""})},
          ("data.jsonl, row 3", "key 'label'", "the label is empty", "fill it in or drop the row")),
     Case("data-blank-label", {}, {"data.jsonl": jsonl({"prompt": "p", "label": "   "})}, ("row 1", "label is empty")),
+    Case("data-empty-prompt", {}, {"data.jsonl": jsonl(GOOD_ROW, {"prompt": "", "label": "1"})},
+         ("data.jsonl, row 2", "key 'prompt'", "the prompt is empty", "drop the row")),
+    Case("data-empty-user-message", {"apply-chat-template": True},
+         {"data.jsonl": jsonl(GOOD_ROW, {"prompt": [{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": " "}], "label": "1"})},
+         ("data.jsonl, row 2", "key 'prompt', message 1", "the user message is empty", "drop the row")),
     Case("data-bad-slice", {"prompt-data": "{tmp}/data.jsonl@[a:b]"}, DATA,
          ("data.jsonl@[a:b]", "@[START:END] with integers", "data.jsonl@[0:1000]")),
     Case("data-slice-selects-nothing", {"prompt-data": "{tmp}/data.jsonl@[5:9]"}, DATA,
@@ -134,6 +197,12 @@ CASES = [
     Case("eval-data-missing-key", {"eval-prompt-data": ["aime", "{tmp}/eval.jsonl"]},
          {**DATA, "eval.jsonl": jsonl({"problem": "p", "label": "1"})},
          ("--eval-prompt-data aime", "eval.jsonl, row 1", "no key 'prompt'", "set --eval-input-key")),
+    Case("eval-data-missing", {"eval-prompt-data": ["aime", "{tmp}/no-eval.jsonl"]}, DATA,
+         ("--eval-prompt-data aime", "no-eval.jsonl", "no such file")),
+    Case("eval-data-empty-user-message", {"eval-prompt-data": ["aime", "{tmp}/eval.jsonl"],
+         "apply-chat-template": True},
+         {**DATA, "eval.jsonl": jsonl({"prompt": [{"role": "user", "content": ""}], "label": "1"})},
+         ("--eval-prompt-data aime", "eval.jsonl, row 1", "message 0", "the user message is empty")),
     Case("eval-label-the-eval-reward-cannot-read", {"eval-prompt-data": ["aime", "{tmp}/eval.jsonl"],
          "eval-rm-type": "gsm8k"}, {**DATA, "eval.jsonl": jsonl({"prompt": "p", "label": "x"})},
          ("--eval-prompt-data aime", "row 1", "holds no number")),
@@ -155,6 +224,19 @@ CASES = [
          "*.safetensors"), copy_from_model("config.json")),
     Case("model-without-tokenizer", {"hf-checkpoint": "{tmp}/m"}, DATA, ("--hf-checkpoint", "tokenizer",
          "tokenizer.json"), copy_from_model("config.json", "model.safetensors")),
+    Case("model-weights-truncated", {"hf-checkpoint": "{tmp}/m"}, DATA,
+         ("--hf-checkpoint", "model.safetensors: truncated or corrupt", "but its header declares",
+          "download (or convert) the model again"),
+         damaged_model(lambda m: _truncate(m / "model.safetensors", 1000))),
+    Case("model-weights-not-safetensors", {"hf-checkpoint": "{tmp}/m"}, DATA,
+         ("--hf-checkpoint", "model.safetensors: truncated or corrupt", "header length says"),
+         damaged_model(lambda m: (m / "model.safetensors").write_bytes(b"<html>404 Not Found</html>"))),
+    Case("model-shard-missing", {"hf-checkpoint": "{tmp}/m"}, DATA,
+         ("--hf-checkpoint", "model.safetensors.index.json names 1 file(s) that are not there",
+          "model-00002-of-00002.safetensors", "download (or convert) the model again"), damaged_model(_as_shards)),
+    Case("ref-load-truncated", {"ref-load": "{tmp}/m", "use-kl-loss": True}, DATA,
+         ("--ref-load", "model.safetensors: truncated or corrupt"),
+         damaged_model(lambda m: _truncate(m / "model.safetensors", 1))),
     Case("ref-load-missing", {"ref-load": "{tmp}/ref", "use-kl-loss": True}, DATA,
          ("--ref-load", "ref", "no such directory")),
     Case("megatron-not-installed", {"train-backend": "megatron"}, DATA,
@@ -171,6 +253,10 @@ CASES = [
          ("--load", "rollout_0000000", "another model", "model.embed_tokens.weight is [10, 8] there"),
          lambda tmp, model: other_model_checkpoint(tmp / "ckpt")),
     Case("save-is-a-file", {"save": "{tmp}/out"}, {**DATA, "out": "x"}, ("--save", "a file, not a directory")),
+    Case("save-under-a-file", {"save": "{tmp}/out/ckpt"}, {**DATA, "out": "x"},
+         ("--save", "out/ckpt", "out is a file, so no directory can be made under it")),
+    Case("save-hf-under-a-file", {"save-hf": "{tmp}/out/a/hf"}, {**DATA, "out": "x"},
+         ("--save-hf", "out is a file", "no directory can be made")),
 ]
 
 
@@ -199,7 +285,8 @@ def test_bad_input_is_refused_naming_where_and_the_fix(case: Case, tmp_path: Pat
             config.write_bytes(case.yaml if isinstance(case.yaml, bytes) else case.yaml.encode())
             load_yaml(config)
         else:
-            preflight(from_flat({k: _fill(v, tmp_path, tiny_model) for k, v in {**BASE, **case.flags}.items()}))
+            flags = {k: _fill(v, tmp_path, tiny_model) for k, v in {**BASE, **case.flags}.items()}
+            preflight(from_flat(resolve_config_assets(flags)))  # as the CLI builds the configuration
     message = str(info.value)
     for part in case.expect:
         assert part in message, f"{part!r} not in: {message}"
@@ -207,6 +294,54 @@ def test_bad_input_is_refused_naming_where_and_the_fix(case: Case, tmp_path: Pat
 
 def test_the_table_covers_forty_cases():
     assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize(("flags", "files", "expect"), [
+    ({"eval-prompt-data": ["aime", "{tmp}/no-eval.jsonl"]}, DATA, "no-eval.jsonl: no such file"),
+    ({}, {"data.jsonl": jsonl(GOOD_ROW, '{"prompt": "a", "label": }')}, "data.jsonl, row 2: not valid JSON"),
+    ({}, {"data.jsonl": jsonl({"question": "q", "label": "1"})}, "row 1: no key 'prompt'"),
+    ({"rollout-max-response-len": 2048}, DATA, "--rollout-max-response-len 2048"),
+], ids=["eval-file-missing", "bad-json", "missing-key", "response-beyond-context"])
+def test_errors_that_need_no_tokenizer_are_found_by_the_checks_made_before_ray_starts(tmp_path, tiny_model, flags,
+                                                                                       files, expect):
+    # the driver runs check_inputs before it starts Ray, check_datasets (the tokenizer's checks) while Ray starts
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    cfg = from_flat({k: _fill(v, tmp_path, tiny_model) for k, v in {**BASE, **flags}.items()})
+    with pytest.raises(PreflightError, match=re.escape(expect)):
+        check_inputs(cfg)
+
+
+def test_a_rope_scaled_model_may_get_a_vllm_max_model_len_beyond_its_positions(tmp_path, tiny_model):
+    # vLLM derives the stretched context itself (YaRN factor 4: 4096 here); the response budget still must fit the
+    # max_position_embeddings the engine gives vLLM when --vllm-max-model-len is not set
+    def scaled(m: Path) -> None:
+        config = json.loads((m / "config.json").read_text())
+        (m / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    damaged_model(scaled)(tmp_path, tiny_model)
+    (tmp_path / "data.jsonl").write_text(GOOD_DATA)
+    flags = {"hf-checkpoint": str(tmp_path / "m"), "prompt-data": str(tmp_path / "data.jsonl")}
+    check_inputs(from_flat({**flags, "vllm-max-model-len": 4096}))
+    with pytest.raises(PreflightError, match="--rollout-max-response-len 2048 leaves no room"):
+        check_inputs(from_flat({**flags, "rollout-max-response-len": 2048}))
+
+
+def test_safetensors_header_is_read_without_the_tensors_and_checked_against_the_file_size(tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(3, 2), "b": torch.ones(5, dtype=torch.int8)}, str(path), metadata={"format": "pt"})
+    header = safetensors_header(path)
+    assert {name: (spec["dtype"], spec["shape"]) for name, spec in header.items()} == {"a": ("F32", [3, 2]),
+                                                                                       "b": ("I8", [5])}
+    whole = path.read_bytes()
+    for damaged, why in [(whole[:-1], "but its header declares"), (whole + b"\0", "but its header declares"),
+                         (whole[:20], "header length says"), (whole[:5], "too short"),
+                         ((4).to_bytes(8, "little") + b"[1] ", "not a safetensors header"),
+                         ((2).to_bytes(8, "little") + b"{x", "not valid JSON")]:
+        path.write_bytes(damaged)
+        with pytest.raises(DamagedSafetensors, match=why):
+            safetensors_header(path)
+    path.write_bytes((2).to_bytes(8, "little") + b"{}")  # no tensors: 8 + header bytes, complete
+    assert safetensors_header(path) == {}
 
 
 def test_good_input_passes_preflight(tmp_path, tiny_model):

@@ -58,11 +58,7 @@ def check_combinations(cfg: EngineConfig) -> None:
             "--partial-rollout watches each round from the driver to cut it off when the batch is full, while "
             "--async-rollout generates the next rollout unwatched during training: use one of them"
         )
-    if r.vllm_max_model_len is not None and r.rollout_max_response_len >= r.vllm_max_model_len:
-        raise ConfigError(
-            f"--rollout-max-response-len {r.rollout_max_response_len} leaves no room for the prompt within "
-            f"--vllm-max-model-len {r.vllm_max_model_len}"
-        )
+    _check_lengths_within_model_len(cfg)
     if len(cfg.eval.eval_prompt_data or []) % 2:
         raise ConfigError("--eval-prompt-data takes pairs: NAME PATH [NAME PATH ...]")
     if cfg.eval.eval_interval is not None and not cfg.eval.eval_prompt_data:
@@ -209,6 +205,22 @@ def _check_rm_url(cfg: EngineConfig) -> None:
         )
     if url and not url.startswith(("http://", "https://")):
         raise ConfigError(f"--rm-url {url!r}: expected an http:// or https:// URL, e.g. http://127.0.0.1:8000/")
+
+
+def _check_lengths_within_model_len(cfg: EngineConfig) -> None:
+    """The response budgets (training and eval) leave room for a prompt within --vllm-max-model-len, and a
+    multi-turn sample's cap fits in it (against the model's own context: preflight._check_context_limits)."""
+    r = cfg.rollout
+    if r.vllm_max_model_len is None:
+        return
+    for flag, value in (("--rollout-max-response-len", r.rollout_max_response_len),
+                        ("--eval-max-response-len", cfg.eval.eval_max_response_len)):
+        if value is not None and value >= r.vllm_max_model_len:
+            raise ConfigError(f"{flag} {value} leaves no room for the prompt within --vllm-max-model-len "
+                              f"{r.vllm_max_model_len}; give less than {r.vllm_max_model_len}")
+    if r.rollout_max_context_len is not None and r.rollout_max_context_len > r.vllm_max_model_len:
+        raise ConfigError(f"--rollout-max-context-len {r.rollout_max_context_len} is beyond --vllm-max-model-len "
+                          f"{r.vllm_max_model_len}; give at most {r.vllm_max_model_len}")
 
 
 def _check_multi_turn_caps(cfg: EngineConfig) -> None:
