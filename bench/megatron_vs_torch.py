@@ -18,10 +18,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.megatron.cpu_compat import install_cpu_cuda_shim  # noqa: E402
-
-install_cpu_cuda_shim()
-
 import torch  # noqa: E402
 
 from tests.megatron.helpers import fixed_rollout, tiny_config  # noqa: E402

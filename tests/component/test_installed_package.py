@@ -119,3 +119,16 @@ def test_the_installed_vimeflow_trains_the_tiny_model_with_the_shipped_reward(in
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     [record] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert record["rollout_id"] == 0 and 0.0 <= record["rollout/raw_reward"] <= 1.0
+
+
+def test_the_installed_vimeflow_converts_on_cpu_and_back_exactly(installed_python, tmp_path):
+    """megatron-core on a CPU-only machine through the product's own preparation, with nothing from tests/."""
+    from vime_engine.models.builtin import materialize_builtin_model
+
+    hf = materialize_builtin_model("tiny-qwen3", tmp_path / "hf")
+    vimeflow = installed_python.parent / "vimeflow"
+    for source, dest, direction in [("hf", "torch_dist", "hf_to_megatron"), ("torch_dist", "back", "megatron_to_hf")]:
+        done = subprocess.run([vimeflow, "convert", source, dest, "--direction", direction], cwd=tmp_path,
+                              env=_clean_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (hf / "model.safetensors").read_bytes()

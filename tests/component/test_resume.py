@@ -290,15 +290,14 @@ def test_multi_turn_conversations_cut_off_and_killed_resume_bit_identical(tmp_pa
 # Megatron in the same run as vLLM (megatron-core 0.16 in this lane), tensor parallel over two Ray ranks (gloo):
 # each rollout is generated right after a weight sync, so Megatron's log-probs of the sampled tokens must equal
 # vLLM's (fp32), and a rank SIGKILLed in rollout 1's first optimizer step resumes from the torch_dist checkpoint
-# of rollout 0 to the same HF export, bit for bit. The ranks get the test-only CPU shim for megatron-core's
-# hard-coded CUDA calls through Ray's runtime-env hook; on CUDA and Ascend none is needed.
+# of rollout 0 to the same HF export, bit for bit. Each rank maps megatron-core's hard-coded CUDA calls onto the
+# CPU itself (vime_engine/devices/megatron_on_cpu.py), as a user's run does.
 MEGATRON_TP2 = {"train-backend": "megatron", "tensor-model-parallel-size": 2, "actor-num-gpus-per-node": 2,
-                "micro-batch-size": 4, "clip-grad": 0.0,  # Megatron's clipping is not usable on CPU (PLATFORM.md)
+                "micro-batch-size": 4,
                 "num-rollout": 2, "over-sampling-batch-size": 4}  # no surplus groups: every sample is fresh
 
 
 def test_megatron_tensor_parallel_killed_mid_step_resumes_bit_identical(tmp_path_factory, base_config, monkeypatch):
-    monkeypatch.setenv("RAY_RUNTIME_ENV_HOOK", "tests.megatron.cpu_compat.with_ray_worker_shim")
 
     def finished(run_dir: Path) -> tuple[str, list[dict]]:
         export = hashlib.sha256((run_dir / "hf" / "model.safetensors").read_bytes()).hexdigest()

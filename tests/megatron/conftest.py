@@ -15,10 +15,6 @@ import pytest
 
 if sys.version_info < (3, 12):
     collect_ignore_glob = ["test_*.py"]
-else:
-    from tests.megatron.cpu_compat import install_cpu_cuda_shim
-
-    install_cpu_cuda_shim()
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ def tiny_config(model_dir: Path, **overrides) -> EngineConfig:
     values = {
         "hf_checkpoint": str(model_dir), "prompt_data": "unused.jsonl", "rollout_batch_size": 2,
         "n_samples_per_prompt": 4, "global_batch_size": 4, "micro_batch_size": 2, "lr": 1e-3,
-        "clip_grad": 0.0,  # Megatron's gradient clipping is not usable on CPU (see shared/PLATFORM.md)
         "num_rollout": 4, "seed": 7, "train_backend": "megatron",
     }
     values.update(overrides)

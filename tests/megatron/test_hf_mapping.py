@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vime_engine.devices.accelerator import CPU
+from vime_engine.devices.accelerator import CPU, prepare_accelerator
 from vime_engine.train import megatron_model as mm
 from vime_engine.train.megatron_hf import HFArchitecture, UnsupportedHFModel, hf_tensors, megatron_shard
 
@@ -69,6 +69,7 @@ def _save(tmp_path, family: str, **extra):
 
 @pytest.fixture(scope="module")
 def single_process():
+    prepare_accelerator(CPU)  # as the backend and `vimeflow convert` do before building a model
     mm.init_distributed(CPU, mm.ParallelLayout(), seed=0)
 
 
@@ -123,7 +124,7 @@ def test_configs_it_would_get_wrong_are_refused_by_field():
 def test_layout_is_megatron_bridges(tiny_qwen3, single_process):
     """Megatron-Bridge (where installed: the 3.12 lane) reads our Megatron model back into the same HF tensors,
     so torch_dist checkpoints written through either carry the same layout."""
-    from tests.megatron.cpu_compat import import_megatron_bridge
+    from tests.megatron.bridge_import import import_megatron_bridge
 
     AutoBridge = import_megatron_bridge().AutoBridge
 

@@ -71,6 +71,6 @@ def test_npu_without_ascend_environment_names_set_env(tmp_path):
 
 
 def test_npu_after_megatron_import_is_refused():
-    assert "megatron.core" in sys.modules  # this process imported Megatron (conftest)
+    import megatron.core  # noqa: F401
     with pytest.raises(AcceleratorSetupError, match="before MindSpeed's adaptor"):
         prepare_accelerator(NPU)

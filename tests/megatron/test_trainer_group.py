@@ -1,9 +1,6 @@
 """Megatron through the engine's own trainer group: ranks launched as Ray actors by `TrainerGroup` (gloo on CPU),
 TP=2, PP=2 (one layer a stage; the tied embedding shared by the first and last stage) and DP=2 each reproducing
 one rank, and the distributed checkpoint saved by the group resuming in it.
-
-Every rank process installs the CPU shim through Ray's worker setup hook (tests only; on CUDA and Ascend the real
-calls apply).
 """
 
 from __future__ import annotations
@@ -13,15 +10,15 @@ from pathlib import Path
 import pytest
 import ray
 
-from tests.megatron.cpu_compat import shimmed_ray_cluster
 from tests.megatron.helpers import fixed_rollout, tiny_config
 from vime_engine.devices.accelerator import CPU
+from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.runtime.trainer_group import TrainerGroup
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    with shimmed_ray_cluster():
+    with ray_cluster(num_cpus=4):
         yield
 
 

@@ -1,6 +1,6 @@
 """One rank of the TP=2 test: `python -m tests.megatron.tp_worker RANK WORLD PORT MODEL_DIR OUT_FILE`.
 
-Each rank runs the CPU shim, builds the backend with --tensor-model-parallel-size 2 over gloo, computes
+Each rank builds the backend with --tensor-model-parallel-size 2 over gloo, computes
 log-probs, trains one rollout, and iterates the HF weight stream (collective); rank 0 saves the results.
 """
 
@@ -16,9 +16,6 @@ import torch
 def main(rank: int, world: int, port: int, model_dir: Path, out_file: Path) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from tests.megatron.cpu_compat import install_cpu_cuda_shim
-
-    install_cpu_cuda_shim()
     from tests.megatron.helpers import fixed_rollout, tiny_config
     from vime_engine.train.megatron_backend import MegatronTrainBackend
 

@@ -93,7 +93,8 @@ ASCEND_SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
 def prepare_accelerator(acc: Accelerator, local_rank: int | None = None) -> None:
     """Make this process ready to train on `acc`; the Megatron backend calls it before importing Megatron.
 
-    cpu: nothing. cuda: select the local GPU. npu: check the Ascend environment (CANN's set_env.sh was
+    cpu: map the `torch.cuda` calls megatron-core makes unconditionally onto the CPU (`megatron_on_cpu`; nothing
+    when CUDA is available). cuda: select the local GPU. npu: check the Ascend environment (CANN's set_env.sh was
     sourced), apply `actor_env`, import torch_npu (it registers `torch.npu` and the hccl backend), select the
     local NPU, and import MindSpeed's Megatron adaptor, which must patch Megatron before any `megatron` import.
     Idempotent.
@@ -107,7 +108,10 @@ def prepare_accelerator(acc: Accelerator, local_rank: int | None = None) -> None
 
         torch.cuda.set_device(rank)
         return
-    if acc.kind != "npu":
+    if acc.kind == "cpu":
+        from vime_engine.devices.megatron_on_cpu import enable_megatron_on_cpu
+
+        enable_megatron_on_cpu()
         return
     if "mindspeed.megatron_adaptor" in sys.modules:
         return
