@@ -199,7 +199,11 @@ def train(
         except Exception as exc:  # noqa: BLE001  (reported below, on the terminal again)
             failure = exc
     if failure is not None:
-        if made is not None and _is_user_error(_cause(failure)):  # refused before it started: nothing written
+        from vime_engine.config.errors import RunStoppedError
+
+        cause = _cause(failure)
+        if made is not None and _is_user_error(cause) and not isinstance(cause, RunStoppedError):
+            # refused before it started: nothing written (a run stopped later keeps its logs and metrics)
             shutil.rmtree(made, ignore_errors=True)
             log_file = None
         raise _fail(failure, verbose, log_file=log_file) from None

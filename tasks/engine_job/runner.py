@@ -70,8 +70,8 @@ def exit_code_for(exc: Exception) -> int:
 
 
 def _error_report(code: int, exc: Exception) -> dict[str, str]:
-    if code == EXIT_CONFIG_ERROR:
-        return {"kind": "config", "message": str(exc)}
+    if code == EXIT_CONFIG_ERROR:  # raised in a Ray worker: the worker's error, not Ray's traceback around it
+        return {"kind": "config", "message": str(getattr(exc, "cause", None) or exc)}
     if code == EXIT_CODE_ERROR:  # a bug: report it whole
         return {"kind": "code", "message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     return {"kind": "preempted" if code != EXIT_INFRASTRUCTURE else "infrastructure",

@@ -71,7 +71,8 @@ def test_group_reward_is_called_once_per_group(tmp_path):
     assert run_reward(cfg)([RewardInput("p", "", "l", s) for s in group]) == [1.0, 0.0]
     (tmp_path / "short.py").write_text("async def one_reward(args, samples):\n    return [1.0]\n")
     short = load_sample_reward(f"{tmp_path}/short.py:one_reward", vime_args(cfg), group_rm=True)
-    with pytest.raises(ValueError, match="returned 1 rewards for a group of 2 samples"):
+    with pytest.raises(ValueError, match=r"one_reward returned 1 rewards for 2 samples; return one per sample, in "
+                                         r"order \(group 0\)"):
         short([RewardInput("p", "", "l", s) for s in group])
 
 
@@ -204,7 +205,8 @@ def test_custom_advantage_of_the_wrong_length_is_named(tmp_path):
     (tmp_path / "bad.py").write_text("def adv(args, rollout_data):\n"
                                      "    rollout_data['advantages'] = [m[:1] for m in rollout_data['loss_masks']]\n")
     cfg = _cfg(tmp_path, **{"custom-advantage-function-path": f"{tmp_path}/bad.py:adv"})
-    with pytest.raises(ValueError, match=r"rollout_data\['advantages'\]\[0\] has 1 values for a response of 2"):
+    named = r"rollout_data\['advantages'\] to 1 values for a response of 2 tokens \(sample 0 of group 0\)"
+    with pytest.raises(ValueError, match=named):
         load_trainer_hooks(cfg).advantages(cfg, [_sample(0, [1, 2]), _sample(0, [3])], _inputs([1.0, 0.0], [2, 1]),
                                            LOG_PROBS)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 _FORMS = "`package.module:function` or `path/to/file.py:function`"
+FILE_MODULE_PREFIX = "vime_plugin_"  # the module name of a `path/to/file.py:function`: prefix + hash of the path
 
 
 def load_function(
@@ -74,17 +75,6 @@ def call_plugin(fn: Callable, *args: Any) -> Any:
     return result
 
 
-def gather_plugin(fn: Callable, calls: list[tuple[Any, ...]]) -> list[Any]:
-    """`fn(*c)` for every `c`: concurrently on one event loop when `fn` is a coroutine function."""
-    if not inspect.iscoroutinefunction(fn):
-        return [call_plugin(fn, *c) for c in calls]
-
-    async def run_all() -> list[Any]:
-        return list(await asyncio.gather(*(fn(*c) for c in calls)))
-
-    return asyncio.run(run_all())
-
-
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
@@ -93,7 +83,7 @@ def _module_from_file(path: Path, spec: str, flag: str):
     if not path.is_file():
         raise ValueError(f"{flag} {spec!r}: file {str(path)!r} does not exist; give an existing .py file")
     resolved = path.resolve()
-    name = "vime_plugin_" + hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
+    name = FILE_MODULE_PREFIX + hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
     if name in sys.modules:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, resolved)

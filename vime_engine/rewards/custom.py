@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vime_engine.plugins.loading import check_callable, gather_plugin, import_function, parameter_names
-from vime_engine.rewards.batch import PerSampleReward, RewardInput
+from vime_engine.plugins.boundary import UserFunction, sample_labels
+from vime_engine.plugins.loading import check_callable, import_function, parameter_names
+from vime_engine.rewards.batch import RewardInput
 
 RewardFn = Callable[[str, str], float]
 FLAG = "--custom-rm-path"
@@ -42,18 +43,27 @@ def load_custom_reward(spec: str) -> RewardFn:
 def load_sample_reward(spec: str, args: Any, group_rm: bool = False) -> Callable[[Sequence[RewardInput]], list[float]]:
     """The reward of a group of samples from the function named by `spec`, in whichever form it is written.
 
-    With `group_rm` (vime's `--group-rm`) the function must be vime's group form. Every failure is a ValueError
-    naming the flag and the form expected.
+    With `group_rm` (vime's `--group-rm`) the function must be vime's group form. Every failure to load is a
+    ValueError naming the flag and the form expected; at run time, every value it returns is checked and an
+    exception inside it named (a UserFunctionError, vime_engine/plugins/boundary.py).
     """
     fn = import_function(spec, FLAG, VIME_GROUP if group_rm else VIME)
     if group_rm:
         if not is_vime_form(fn):
             raise ValueError(f"{FLAG} {spec!r}: --group-rm calls it once per group, as {VIME_GROUP}; "
                              f"its first parameter must be `args` (found {parameter_names(fn)})")
-        return VimeGroupReward(check_callable(fn, spec, FLAG, ("args", "samples"), VIME_GROUP, True), args, spec)
+        return VimeGroupReward(UserFunction(check_callable(fn, spec, FLAG, ("args", "samples"), VIME_GROUP, True),
+                                            FLAG), args)
     if is_vime_form(fn):
-        return VimeReward(check_callable(fn, spec, FLAG, ("args", "sample"), VIME, True), args)
-    return PerSampleReward(check_callable(fn, spec, FLAG, ("response", "label"), OURS))
+        return VimeReward(UserFunction(check_callable(fn, spec, FLAG, ("args", "sample"), VIME, True), FLAG), args)
+    return TextReward(UserFunction(check_callable(fn, spec, FLAG, ("response", "label"), OURS), FLAG))
+
+
+def _labels(items: Sequence[RewardInput]) -> list[str]:
+    """How messages name each item: by its Sample's group (vime_engine/plugins/boundary.py), else its position."""
+    if all(item.sample is not None for item in items):
+        return sample_labels([item.sample.group_index for item in items])
+    return [f"sample {i}" for i in range(len(items))]
 
 
 def _samples(items: Sequence[RewardInput]) -> list[Any]:
@@ -64,28 +74,36 @@ def _samples(items: Sequence[RewardInput]) -> list[Any]:
 
 
 @dataclass(frozen=True)
+class TextReward:
+    """Our `(response, label) -> float` reward, run on every sample of a batch."""
+
+    fn: UserFunction
+
+    def __call__(self, items: Sequence[RewardInput]) -> list[float]:
+        labels = _labels(items)
+        return self.fn.numbers(self.fn.gather([(i.response, i.label) for i in items], labels), labels, "reward")
+
+
+@dataclass(frozen=True)
 class VimeReward:
     """vime's per-sample reward, run on every sample of a batch (concurrently when it is async)."""
 
-    fn: Callable
+    fn: UserFunction
     args: Any
 
     def __call__(self, items: Sequence[RewardInput]) -> list[float]:
-        return [float(r) for r in gather_plugin(self.fn, [(self.args, s) for s in _samples(items)])]
+        labels = _labels(items)
+        return self.fn.numbers(self.fn.gather([(self.args, s) for s in _samples(items)], labels), labels, "reward")
 
 
 @dataclass(frozen=True)
 class VimeGroupReward:
     """vime's `--group-rm` reward: one call with the whole group, one reward back per sample."""
 
-    fn: Callable
+    fn: UserFunction
     args: Any
-    spec: str
 
     def __call__(self, items: Sequence[RewardInput]) -> list[float]:
         samples = _samples(items)
-        rewards = gather_plugin(self.fn, [(self.args, samples)])[0]
-        if len(rewards) != len(samples):
-            raise ValueError(f"{FLAG} {self.spec!r} (--group-rm) returned {len(rewards)} rewards for a group of "
-                             f"{len(samples)} samples; return one per sample, in order")
-        return [float(r) for r in rewards]
+        group = f"group {samples[0].group_index}" if samples else None
+        return self.fn.numbers(self.fn.call(self.args, samples, sample=group), _labels(items), "reward", group)

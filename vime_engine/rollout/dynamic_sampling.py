@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from vime_engine.plugins.boundary import UserFunction
 from vime_engine.plugins.loading import check_callable, import_function, parameter_names
 from vime_engine.sample import Sample
 
@@ -44,8 +45,28 @@ def load_group_filter(spec: str | None, args: Any = None) -> GroupFilter:
     fn = import_function(spec, FILTER_FLAG, vime)
     names = parameter_names(fn)
     if names[:1] == ["args"] or len(parameter_names(fn, required_only=True)) >= 2:
-        return functools.partial(check_callable(fn, spec, FILTER_FLAG, ("args", "samples"), vime), args)
-    return check_callable(fn, spec, FILTER_FLAG, ("group",), "`(group: list[Sample]) -> bool`")
+        fn = functools.partial(check_callable(fn, spec, FILTER_FLAG, ("args", "samples"), vime), args)
+    else:
+        fn = check_callable(fn, spec, FILTER_FLAG, ("group",), "`(group: list[Sample]) -> bool`")
+    return UserGroupFilter(UserFunction(fn, FILTER_FLAG))
+
+
+@dataclass(frozen=True)
+class UserGroupFilter:
+    """A user's filter called through the boundary (vime_engine/plugins/boundary.py): an exception inside names
+    the group, and None or a str is refused, whose truth would decide in silence (a forgotten `return` drops
+    every group; every str, "False" too, keeps it)."""
+
+    fn: UserFunction
+
+    def __call__(self, group: list[Sample]) -> Any:
+        where = f"group {group[0].group_index}" if group else None
+        output = self.fn.call(group, sample=where)
+        keep = getattr(output, "keep", output)
+        if keep is None or isinstance(keep, (str, bytes)):
+            raise self.fn.error(f"returned {output!r}; return a bool, or vime's DynamicFilterOutput (keep, reason)",
+                                where)
+        return output
 
 
 def verdict(output: Any) -> tuple[bool, str | None]:

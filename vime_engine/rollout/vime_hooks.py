@@ -17,17 +17,16 @@ As in vime, `rollout_id` given to the buffer filter is None, a sample with `remo
 the advantages (its reward still counts in its group) but trains no token, and `True` from the log function
 skips our own logging of that rollout (metrics.jsonl, TensorBoard, W&B, MLflow; the run's history is kept for
 the checkpoint). `load_rollout_hooks` imports and checks every function, so `preflight` calls it before any
-model loads.
+model loads; an exception inside one is named as the function's (vime_engine/plugins/boundary.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vime_engine.config import EngineConfig
-from vime_engine.plugins.loading import call_plugin, load_hook
+from vime_engine.plugins.boundary import UserFunction, load_user_hook
 from vime_engine.plugins.vime_args import vime_args
 from vime_engine.rollout.dynamic_sampling import GroupFilter, load_group_filter
 from vime_engine.sample import Sample
@@ -41,10 +40,10 @@ class RolloutHooks:
 
     args: Any
     keep: GroupFilter
-    buffer_filter: Callable | None = None
-    sample_filter: Callable | None = None
-    all_samples_process: Callable | None = None
-    log_function: Callable | None = None
+    buffer_filter: UserFunction | None = None
+    sample_filter: UserFunction | None = None
+    all_samples_process: UserFunction | None = None
+    log_function: UserFunction | None = None
 
     def take_buffered(self, buffer: Groups, num_samples: int) -> Groups:
         """The cut-off groups to resume now, chosen by --buffer-filter-path (default: all of them, in order).
@@ -53,27 +52,27 @@ class RolloutHooks:
         """
         if self.buffer_filter is None or not buffer:
             return list(buffer)
-        taken = call_plugin(self.buffer_filter, self.args, None, buffer, num_samples)
+        taken = self.buffer_filter.call(self.args, None, buffer, num_samples)
         if not isinstance(taken, list) or not all(isinstance(g, list) for g in taken):
-            raise TypeError(f"--buffer-filter-path returned {type(taken).__name__}; it must return a list of groups "
-                            "(lists of Samples) taken from the buffer")
+            raise self.buffer_filter.error(f"returned {type(taken).__name__}; it must return a list of groups "
+                                           "(lists of Samples) taken from the buffer")
         return taken
 
     def after_collect(self, kept: Groups, seen: Groups, data_source: Any) -> None:
         """--rollout-sample-filter-path on the kept groups (a removed sample's loss mask becomes all 0), then
         --rollout-all-samples-process-path on every group this rollout generated."""
         if self.sample_filter is not None:
-            call_plugin(self.sample_filter, self.args, kept)
+            self.sample_filter.call(self.args, kept)
             for sample in (s for group in kept for s in group if s.remove_sample):
                 sample.loss_mask = [0] * sample.response_length
         if self.all_samples_process is not None:
-            call_plugin(self.all_samples_process, self.args, seen, data_source)
+            self.all_samples_process.call(self.args, seen, data_source)
 
     def skip_default_log(self, rollout_id: int, samples: list[Sample], extra: dict[str, Any], seconds: float) -> bool:
         """Call --custom-rollout-log-function-path; True when it asks to skip our own logging."""
         if self.log_function is None:
             return False
-        return bool(call_plugin(self.log_function, rollout_id, self.args, samples, extra, seconds))
+        return bool(self.log_function.call(rollout_id, self.args, samples, extra, seconds))
 
 
 def load_rollout_hooks(cfg: EngineConfig) -> RolloutHooks:
@@ -83,14 +82,15 @@ def load_rollout_hooks(cfg: EngineConfig) -> RolloutHooks:
     return RolloutHooks(
         args=args,
         keep=load_group_filter(r.dynamic_sampling_filter_path, args) if filtering else (lambda group: True),
-        buffer_filter=load_hook(r.buffer_filter_path, "--buffer-filter-path", ("args", "rollout_id", "buffer", "n"),
-                            "`(args, rollout_id, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]`"),
-        sample_filter=load_hook(r.rollout_sample_filter_path, "--rollout-sample-filter-path", ("args", "samples"),
-                            "`(args, samples: list[list[Sample]]) -> None`"),
-        all_samples_process=load_hook(r.rollout_all_samples_process_path, "--rollout-all-samples-process-path",
-                                  ("args", "samples", "data_source"),
-                                  "`(args, samples: list[list[Sample]], data_source) -> None`"),
-        log_function=load_hook(lg.custom_rollout_log_function_path, "--custom-rollout-log-function-path",
-                           ("rollout_id", "args", "samples", "extra", "time"),
-                           "`(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool`"),
+        buffer_filter=load_user_hook(
+            r.buffer_filter_path, "--buffer-filter-path", ("args", "rollout_id", "buffer", "n"),
+            "`(args, rollout_id, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]`"),
+        sample_filter=load_user_hook(r.rollout_sample_filter_path, "--rollout-sample-filter-path", ("args", "samples"),
+                                     "`(args, samples: list[list[Sample]]) -> None`"),
+        all_samples_process=load_user_hook(r.rollout_all_samples_process_path, "--rollout-all-samples-process-path",
+                                           ("args", "samples", "data_source"),
+                                           "`(args, samples: list[list[Sample]], data_source) -> None`"),
+        log_function=load_user_hook(lg.custom_rollout_log_function_path, "--custom-rollout-log-function-path",
+                                    ("rollout_id", "args", "samples", "extra", "time"),
+                                    "`(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool`"),
     )

@@ -20,6 +20,7 @@ from vime_engine.config import EngineConfig
 from vime_engine.data.chat import render_prompt
 from vime_engine.data.records import PromptRecord
 from vime_engine.devices.host_memory import release_free_heap
+from vime_engine.plugins.boundary import user_functions_in
 from vime_engine.rewards import BatchRewardFn, RewardInput, extract_answer, get_batch_reward, run_reward
 from vime_engine.rollout.custom_generate import CustomRound, EngineClient, load_generate_function
 from vime_engine.rollout.partial import continuation, extend
@@ -78,6 +79,7 @@ class _Round:
     rm_type: str
     reward_fn: BatchRewardFn
     groups: dict[int, list[Sample]]
+    where: str  # "rollout 3" or "rollout 3, eval/aime": where a user's reward function's error happened
 
 
 class RolloutWorker:
@@ -137,6 +139,7 @@ class RolloutWorker:
             plan.rm_type or self.cfg.reward.rm_type,
             get_batch_reward(plan.rm_type, rm_url=self.cfg.reward.rm_url) if plan.rm_type else self.reward_fn,
             {group[0].group_index: group for group in groups},
+            f"rollout {rollout_id}" + ("" if plan.seed_namespace == "train" else f", {plan.seed_namespace}"),
         )
 
     def advance(self) -> list[list[Sample]]:
@@ -203,7 +206,8 @@ class RolloutWorker:
         for s in group:  # the response is set first: vime's rewards read it from the sample
             s.response = self.tokenizer.decode(s.response_tokens, skip_special_tokens=True,
                                                clean_up_tokenization_spaces=False)
-        rewards = self._round.reward_fn([RewardInput(s.prompt, s.response, s.label, s) for s in group])
+        with user_functions_in(self._round.where):
+            rewards = self._round.reward_fn([RewardInput(s.prompt, s.response, s.label, s) for s in group])
         for sample, reward in zip(group, rewards, strict=True):
             sample.reward = float(reward)
             sample.metadata = {**sample.metadata,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vime_engine.config import EngineConfig
+from vime_engine.plugins.boundary import user_functions_in
 from vime_engine.rollout.metrics import rollout_metrics, version_metrics
 from vime_engine.preflight import check_datasets, check_inputs
 from vime_engine.rollout.dynamic_sampling import collect_groups
@@ -65,46 +66,47 @@ def _rollout_loop(cfg: EngineConfig, accel: Accelerator, end: int, on_rollout: R
             ctx.log_eval(-1, run_evaluations(cfg, workers, rollout_id=-1))  # the baseline before training
 
         for rollout_id in range(state.next_rollout_id, end):
-            t0 = time.perf_counter()
-            collected = collect_groups(
-                lambda round_, resumed: ctx.start_round(rollout_id, round_, resumed),
-                cfg.rollout.rollout_batch_size, ctx.group_filter, state.carry,
-                take_buffered=ctx.hooks.take_buffered, draw_size=ctx.draw_size,
-            )
-            ctx.hooks.after_collect(collected.groups, collected.seen, ctx.data)
-            samples = collected.samples
-            if cfg.placement.async_rollout and rollout_id + 1 < end:
-                ctx.prefetch(rollout_id + 1)  # generation of the next rollout overlaps this training step
-            t1 = time.perf_counter()
-            train_metrics = workers.train(samples)
-            t2 = time.perf_counter()
-            state.weight_version += 1
-            workers.sync_weights(state.weight_version)
-            t3 = time.perf_counter()
+            with user_functions_in(f"rollout {rollout_id}"):  # a user function's error names the rollout
+                t0 = time.perf_counter()
+                collected = collect_groups(
+                    lambda round_, resumed: ctx.start_round(rollout_id, round_, resumed),
+                    cfg.rollout.rollout_batch_size, ctx.group_filter, state.carry,
+                    take_buffered=ctx.hooks.take_buffered, draw_size=ctx.draw_size,
+                )
+                ctx.hooks.after_collect(collected.groups, collected.seen, ctx.data)
+                samples = collected.samples
+                if cfg.placement.async_rollout and rollout_id + 1 < end:
+                    ctx.prefetch(rollout_id + 1)  # generation of the next rollout overlaps this training step
+                t1 = time.perf_counter()
+                train_metrics = workers.train(samples)
+                t2 = time.perf_counter()
+                state.weight_version += 1
+                workers.sync_weights(state.weight_version)
+                t3 = time.perf_counter()
 
-            metrics = {
-                **rollout_metrics(samples),
-                **version_metrics(samples, state.weight_version - 1),  # the version just trained from
-                **collected.metrics(),
-                **train_metrics,
-                **workers.rollout.recovery_metrics(),
-                "perf/rollout_time": t1 - t0,
-                "perf/train_time": t2 - t1,
-                "perf/update_weights_time": t3 - t2,
-                "perf/tokens_per_sec": sum(s.response_length for s in samples) / (t1 - t0),
-                "weight_version": state.weight_version,
-            }
-            if ctx.eval_due(rollout_id):
-                metrics.update(run_evaluations(cfg, workers, rollout_id))
-            ctx.log_rollout(rollout_id, metrics,
-                            write=not ctx.hooks.skip_default_log(rollout_id, samples, collected.metrics(), t1 - t0))
-            result.rollouts_done.append(rollout_id)
-            if on_rollout is not None:
-                on_rollout(rollout_id, metrics)
-            if ctx.save_due(rollout_id, end) or preemption.requested:
-                result.checkpoint = ctx.save(rollout_id)
-            if preemption.requested:
-                raise Preempted(rollout_id, result.checkpoint)
+                metrics = {
+                    **rollout_metrics(samples),
+                    **version_metrics(samples, state.weight_version - 1),  # the version just trained from
+                    **collected.metrics(),
+                    **train_metrics,
+                    **workers.rollout.recovery_metrics(),
+                    "perf/rollout_time": t1 - t0,
+                    "perf/train_time": t2 - t1,
+                    "perf/update_weights_time": t3 - t2,
+                    "perf/tokens_per_sec": sum(s.response_length for s in samples) / (t1 - t0),
+                    "weight_version": state.weight_version,
+                }
+                if ctx.eval_due(rollout_id):
+                    metrics.update(run_evaluations(cfg, workers, rollout_id))
+                ctx.log_rollout(rollout_id, metrics,
+                                write=not ctx.hooks.skip_default_log(rollout_id, samples, collected.metrics(), t1 - t0))
+                result.rollouts_done.append(rollout_id)
+                if on_rollout is not None:
+                    on_rollout(rollout_id, metrics)
+                if ctx.save_due(rollout_id, end) or preemption.requested:
+                    result.checkpoint = ctx.save(rollout_id)
+                if preemption.requested:
+                    raise Preempted(rollout_id, result.checkpoint)
 
         if cfg.rollout.num_rollout == 0 and cfg.eval_datasets:  # eval-only run on the loaded weights
             result.eval_metrics = run_evaluations(cfg, workers, rollout_id=state.next_rollout_id - 1)

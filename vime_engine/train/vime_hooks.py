@@ -5,14 +5,14 @@
 
 Every hook gets `args` (vime_engine/plugins/vime_args.py: read-only, vime's names) and our Samples (which answer
 vime's attribute names, see vime_engine/sample.py). `load_trainer_hooks` imports and checks both, so `preflight`
-calls it before any model loads. The rollout side's hooks: vime_engine/rollout/vime_hooks.py.
+calls it before any model loads; what they return is checked, one value per sample and every value finite
+(vime_engine/plugins/boundary.py). The rollout side's hooks: vime_engine/rollout/vime_hooks.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from vime_engine.algorithms.advantages import (
 )
 from vime_engine.algorithms.estimators import ESTIMATORS, compute_advantages
 from vime_engine.config import EngineConfig
-from vime_engine.plugins.loading import call_plugin, load_hook
+from vime_engine.plugins.boundary import UserFunction, load_user_hook, sample_labels
 from vime_engine.plugins.vime_args import vime_args
 from vime_engine.sample import Sample
 
@@ -34,8 +34,8 @@ class TrainerHooks:
     """The trainer's hooks: they replace parts of the advantage computation of a rollout."""
 
     args: Any
-    reward_post_process: Callable | None = None
-    advantage_function: Callable | None = None
+    reward_post_process: UserFunction | None = None
+    advantage_function: UserFunction | None = None
 
     def advantages(self, cfg: EngineConfig, samples: list[Sample], inputs: AdvantageInputs,
                    log_probs: dict[str, Tensor | None]) -> AdvantageResult:
@@ -56,17 +56,13 @@ class TrainerHooks:
         return self._custom(cfg, samples, inputs, rewards, log_probs)
 
     def _post_processed(self, samples: list[Sample], rewards: Tensor) -> Tensor:
-        out = call_plugin(self.reward_post_process, self.args, samples)
-        try:
-            _raw, processed = out
-            processed = torch.as_tensor([float(x) for x in processed], dtype=rewards.dtype, device=rewards.device)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"--custom-reward-post-process-path must return (raw_rewards, rewards), two lists of "
-                             f"floats; got {type(out).__name__} ({exc})") from None
-        if processed.shape != rewards.shape:
-            raise ValueError(f"--custom-reward-post-process-path returned {processed.numel()} rewards for "
-                             f"{rewards.numel()} samples; return one per sample, in order")
-        return processed
+        hook = self.reward_post_process
+        out = hook.call(self.args, samples)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise hook.error(f"returned {type(out).__name__}; return (raw_rewards, rewards), two lists of one float "
+                             "per sample")
+        processed = hook.numbers(out[1], sample_labels([s.group_index for s in samples]), "post-processed reward")
+        return torch.as_tensor(processed, dtype=rewards.dtype, device=rewards.device)
 
     def _custom(self, cfg: EngineConfig, samples: list[Sample], inputs: AdvantageInputs, rewards: Tensor,
                 log_probs: dict[str, Tensor | None]) -> AdvantageResult:
@@ -79,25 +75,30 @@ class TrainerHooks:
                                                               else torch.zeros_like(inputs.loss_mask)),
             "values": split(inputs.values), **{k: split(v) for k, v in log_probs.items()},
         }
-        call_plugin(self.advantage_function, self.args, rollout_data)
-        advantages = _joined(rollout_data.get("advantages"), "advantages", lengths, inputs.loss_mask)
+        hook, labels = self.advantage_function, sample_labels([s.group_index for s in samples])
+        hook.call(self.args, rollout_data)
+        advantages = _joined(hook, rollout_data.get("advantages"), "advantages", labels, lengths, inputs.loss_mask)
         returns = rollout_data.get("returns")
-        returns = None if returns is None else _joined(returns, "returns", lengths, inputs.loss_mask)
+        returns = None if returns is None else _joined(hook, returns, "returns", labels, lengths, inputs.loss_mask)
         if cfg.algorithm.normalize_advantages:  # vime whitens after a custom function too
             advantages = masked_whiten(advantages, inputs.loss_mask)
         return AdvantageResult(advantages=advantages, returns=returns)
 
 
-def _joined(per_sample: Any, key: str, lengths: list[int], like: Tensor) -> Tensor:
-    flag = "--custom-advantage-function-path"
+def _joined(hook: UserFunction, per_sample: Any, key: str, labels: list[str], lengths: list[int],
+            like: Tensor) -> Tensor:
+    """What the advantage function set in rollout_data[key], one token tensor per sample, joined: every sample's
+    count and finiteness checked, since a NaN advantage would reach every weight through the loss."""
     if not isinstance(per_sample, (list, tuple)) or len(per_sample) != len(lengths):
-        raise ValueError(f"{flag} must set rollout_data[{key!r}] to a list of one tensor per sample "
-                         f"({len(lengths)}); found {type(per_sample).__name__}")
+        raise hook.error(f"must set rollout_data[{key!r}] to a list of one tensor per sample ({len(lengths)}); "
+                         f"found {type(per_sample).__name__}")
     tensors = [torch.as_tensor(t, dtype=like.dtype, device=like.device).reshape(-1) for t in per_sample]
-    wrong = [(i, t.numel(), n) for i, (t, n) in enumerate(zip(tensors, lengths)) if t.numel() != n]
-    if wrong:
-        i, got, n = wrong[0]
-        raise ValueError(f"{flag}: rollout_data[{key!r}][{i}] has {got} values for a response of {n} tokens")
+    for label, t, n in zip(labels, tensors, lengths):
+        if t.numel() != n:
+            raise hook.error(f"set rollout_data[{key!r}] to {t.numel()} values for a response of {n} tokens", label)
+        if not bool(torch.isfinite(t).all()):
+            bad = t[~torch.isfinite(t)][0].item()
+            raise hook.error(f"set rollout_data[{key!r}] to a value of {bad!r}; every value must be finite", label)
     return torch.cat(tensors) if tensors else like.new_zeros(0)
 
 
@@ -119,10 +120,11 @@ def _trainer_hooks(cfg_json: str) -> TrainerHooks:
     alg, rw = cfg.algorithm, cfg.reward
     return TrainerHooks(
         args=vime_args(cfg),
-        reward_post_process=load_hook(rw.custom_reward_post_process_path, "--custom-reward-post-process-path",
-                                  ("args", "samples"), "`(args, samples: list[Sample]) -> (raw_rewards, rewards)`"),
-        advantage_function=load_hook(alg.custom_advantage_function_path, "--custom-advantage-function-path",
-                                 ("args", "rollout_data"), "`(args, rollout_data: dict) -> None`"),
+        reward_post_process=load_user_hook(rw.custom_reward_post_process_path, "--custom-reward-post-process-path",
+                                           ("args", "samples"),
+                                           "`(args, samples: list[Sample]) -> (raw_rewards, rewards)`"),
+        advantage_function=load_user_hook(alg.custom_advantage_function_path, "--custom-advantage-function-path",
+                                          ("args", "rollout_data"), "`(args, rollout_data: dict) -> None`"),
     )
 
 
