@@ -6,6 +6,7 @@ The loop owns no math; it sequences the workers and keeps the state that a check
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from vime_engine.checkpoint.lock import exclusive_writer
 from vime_engine.config import EngineConfig
 from vime_engine.plugins.boundary import user_functions_in
 from vime_engine.rollout.metrics import rollout_metrics, version_metrics
@@ -50,7 +52,9 @@ def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: Roll
     check_inputs(cfg)  # model, checkpoints and plugins, before Ray starts
     accel = resolve_accelerator(cfg.placement.device)
     cfg = with_placement_decided(cfg, accel.kind)
-    with ThreadPoolExecutor(1, thread_name_prefix="preflight") as background:
+    save = cfg.checkpoint.save
+    with (exclusive_writer(save) if save is not None else contextlib.nullcontext(),  # one run per --save
+          ThreadPoolExecutor(1, thread_name_prefix="preflight") as background):
         datasets_checked = background.submit(check_datasets, cfg)  # every data row, while Ray starts
         with ray_cluster(cfg.placement.ray_address, num_cpus=local_cluster_cpus(cfg)):
             datasets_checked.result()  # a bad row is refused before any worker starts
