@@ -7,7 +7,7 @@ following it. A load checks the xxh3-128 (about 30 GB/s) where the manifest reco
 
 The files are standard safetensors (any safetensors reader loads them). Tensors are laid out by descending
 element size so that every tensor starts aligned to its dtype, which lets `read_tensors` hand out views of
-one read buffer instead of copies.
+one read buffer instead of copies. Only finite values are written and read back (vime_engine/checkpoint/finite.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from vime_engine.checkpoint.finite import check_finite_load, refuse_nonfinite_save
 from vime_engine.checkpoint.manifest import ChecksumMismatch, FileEntry, LoadCheck
 
 _SLICE = 32 << 20  # write/read granularity: small enough for the hash thread to keep pace, large for syscalls
@@ -47,7 +48,10 @@ def _slices(view: memoryview) -> Iterator[memoryview]:
 
 def write_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
                   ) -> FileEntry:
-    """Write `tensors` as a safetensors file, fsync it, and return its size and checksums (computed while writing)."""
+    """Write `tensors` as a safetensors file, fsync it, and return its size and checksums (computed while writing).
+
+    A NaN or inf in a floating-point tensor is refused (DivergenceError) before the file is opened."""
+    refuse_nonfinite_save(path, tensors)
     ordered = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -81,8 +85,9 @@ def write_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadat
 def read_tensors(path: str | Path, expected: FileEntry | None = None) -> dict[str, torch.Tensor]:
     """Read a safetensors file written by `write_tensors` into memory, checking `expected` in the same pass.
 
-    Raises ChecksumMismatch (naming the file) before returning anything when the bytes differ. The tensors
-    are views of one buffer that lives as long as any of them.
+    Raises ChecksumMismatch (naming the file) before returning anything when the bytes differ, and
+    NonFiniteCheckpoint when a floating-point tensor holds NaN or inf. The tensors are views of one buffer that
+    lives as long as any of them.
     """
     path = Path(path)
     size = path.stat().st_size
@@ -113,6 +118,7 @@ def read_tensors(path: str | Path, expected: FileEntry | None = None) -> dict[st
         begin, end = spec["data_offsets"]
         dtype = _DTYPES[spec["dtype"]]
         out[name] = data[begin:end].view(dtype).view(spec["shape"])
+    check_finite_load(path, out)
     return out
 
 

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from vime_engine.checkpoint.finite import stop_if_diverged
 from vime_engine.checkpoint.lock import exclusive_writer
 from vime_engine.config import EngineConfig
 from vime_engine.plugins.boundary import user_functions_in
@@ -83,6 +84,7 @@ def _rollout_loop(cfg: EngineConfig, accel: Accelerator, end: int, on_rollout: R
                     ctx.prefetch(rollout_id + 1)  # generation of the next rollout overlaps this training step
                 t1 = time.perf_counter()
                 train_metrics = workers.train(samples)
+                stop_if_diverged(rollout_id, train_metrics)  # before the step reaches the engines or a checkpoint
                 t2 = time.perf_counter()
                 state.weight_version += 1
                 workers.sync_weights(state.weight_version)

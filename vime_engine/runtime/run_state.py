@@ -14,6 +14,7 @@ from vime_engine.data.prompt_length import load_prompts
 from vime_engine.data.records import PromptRecord
 from vime_engine.data.source import DataSource
 from vime_engine.rollout.evaluation import summarize, write_results
+from vime_engine.checkpoint.finite import NonFiniteCheckpoint
 from vime_engine.checkpoint.manifest import ChecksumMismatch
 from vime_engine.tracking.sink import MetricsSink
 from vime_engine.rollout.dynamic_sampling import CarryOver, FinishedRound, GroupFilter, RoundStream
@@ -56,7 +57,8 @@ class RunContext:
                           shuffle=d.rollout_shuffle, seed=d.rollout_seed)
         sink = MetricsSink(cfg)
         state, saved_history = RunState(), b""
-        # The sha256 of each file is checked as it is loaded; a corrupt newest checkpoint falls back to the next.
+        # The sha256 of each file is checked as it is loaded; a corrupt newest checkpoint (or one holding NaN, saved
+        # before saves refused them) falls back to the next.
         for found in ckpt.candidates(cfg.checkpoint.load or cfg.checkpoint.save):
             try:
                 state, saved_history = _restore(cfg, found, workers, data)
@@ -161,7 +163,7 @@ def _restore(cfg: EngineConfig, found: ckpt.CheckpointRef, workers: Workers,
     carry = pickle.loads(found.read_verified(BUFFER_FILE))
     try:
         workers.trainer.load_state(str(found.path), found.manifest.files)
-    except ChecksumMismatch as exc:  # raised in a trainer rank while loading: Ray's error wraps it as its `cause`
+    except (ChecksumMismatch, NonFiniteCheckpoint) as exc:  # raised in a trainer rank: Ray's error wraps it as `cause`
         raise ckpt.CheckpointError(str(getattr(exc, "cause", exc))) from None
     data.load_state_dict(saved["data_cursor"])
     state = RunState(next_rollout_id=saved["rollout_id"] + 1, weight_version=saved["weight_version"],
