@@ -19,6 +19,7 @@ VERBOSE_HELP = ("stream the engine's, Ray workers' and vLLM's output to the cons
                 "an error print its traceback too (else one message)")
 EXIT_USER_ERROR = 2  # input the user can fix: configuration, data, model directory, checkpoint
 EXIT_FAILURE = 1
+EXIT_INFRASTRUCTURE = 3  # the cluster, not the input nor our code: --ray-address does not answer
 DEFAULT_TRAIN_CONFIG = "train-demo.yaml"  # shipped as package data in flows/configs/
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -59,7 +60,8 @@ def _is_user_error(cause: BaseException, user_errors: tuple[type[BaseException],
 def _fail(exc: BaseException, verbose: bool, user_errors: tuple[type[BaseException], ...] = (),
           log_file: Path | None = None) -> typer.Exit:
     """End the command with one message on stderr (after the traceback with --verbose): exit 2 for input the
-    user can fix (the engine's errors of that kind, and `user_errors`), 1 for anything else. A failure of the
+    user can fix (the engine's errors of that kind, and `user_errors`), 3 for a cluster that does not answer,
+    1 for anything else. A failure of the
     engine names its log (`log_file`, or the one an engine job's failure carries) and shows its last lines,
     the failing worker's where the error names it."""
     import traceback
@@ -75,6 +77,11 @@ def _fail(exc: BaseException, verbose: bool, user_errors: tuple[type[BaseExcepti
     if _is_user_error(cause, user_errors):
         errors.print(Text("error: ", style="bold red") + Text(message))
         return typer.Exit(EXIT_USER_ERROR)
+    from vime_engine.runtime.cluster import ClusterUnreachable
+
+    if isinstance(cause, ClusterUnreachable):
+        errors.print(Text("error: ", style="bold red") + Text(message))
+        return typer.Exit(EXIT_INFRASTRUCTURE)
     errors.print(Text("error: ", style="bold red") + Text(f"{type(cause).__name__}: {message}"))
     log_file = log_file or getattr(cause, "log_file", None)
     if log_file is not None:

@@ -21,7 +21,7 @@ from typing import Any
 EXIT_OK = 0
 EXIT_CODE_ERROR = 1  # a bug: fail the task at once with the traceback
 EXIT_CONFIG_ERROR = 2  # a configuration the engine refuses: fail at once with the engine's message
-EXIT_INFRASTRUCTURE = 3  # a dead Ray actor, raylet or node, lost objects, Ray's OOM kill: worth another attempt
+EXIT_INFRASTRUCTURE = 3  # a dead Ray actor, raylet or node, lost objects, Ray's OOM kill, a silent head: retried
 # 75 (EX_TEMPFAIL) = preempted after a checkpoint: vime_engine.runtime.preemption.PREEMPTED_EXIT_CODE
 
 RESULT_FILE = "result.json"
@@ -58,13 +58,14 @@ def is_infrastructure_error(exc: BaseException) -> bool:
 def exit_code_for(exc: Exception) -> int:
     """The runner's exit code for a job that raised `exc`."""
     from vime_engine.config import ConfigError
+    from vime_engine.runtime.cluster import ClusterUnreachable
     from vime_engine.runtime.preemption import Preempted
 
     if isinstance(exc, ConfigError):
         return EXIT_CONFIG_ERROR
     if isinstance(exc, Preempted):
         return exc.exit_code
-    if is_infrastructure_error(exc):
+    if isinstance(exc, ClusterUnreachable) or is_infrastructure_error(exc):
         return EXIT_INFRASTRUCTURE
     return EXIT_CODE_ERROR
 

@@ -1,11 +1,13 @@
 """`vimeflow train` end to end on the tiny model: vime's Qwen3-4B flag list (disaggregated, two trainer ranks),
-eval-only runs, HF export."""
+eval-only runs, HF export; nothing of the private Ray cluster left behind."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -16,9 +18,9 @@ from tests.unit.test_model_flags import TINY_QWEN3_MODEL_FLAGS
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _vimeflow(*args: str) -> subprocess.CompletedProcess:
+def _vimeflow(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flows.cli", "train", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=env)
 
 
 def _swap_paths(flags: list[str], mapping: dict[str, str]) -> list[str]:
@@ -42,7 +44,10 @@ def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path,
         "--colocate", "false",  # the script's disaggregated layout: on CPU `auto` would colocate
         *TINY_QWEN3_MODEL_FLAGS,  # the script's scripts/models/qwen3-4B.sh part, for the tiny model
     ]
-    run = _vimeflow(*flags, *scaled_down)
+    # Where the private cluster keeps its session (a short path: Ray's sockets live in it), removed at the end.
+    with tempfile.TemporaryDirectory(prefix="vf-") as ray_tmp:
+        run = _vimeflow(*flags, *scaled_down, env={**os.environ, "VIMEFLOW_RAY_TMP": ray_tmp})
+        assert not any(Path(ray_tmp).iterdir())
     assert run.returncode == 0, run.stdout + run.stderr
     assert "rollout    1 | reward" in run.stdout
     # A quiet console: the live view and a line per rollout; Ray's, the workers' and vLLM's output is in the log.

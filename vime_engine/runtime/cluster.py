@@ -3,7 +3,9 @@
 A private local cluster listens on 127.0.0.1 only: Ray's single-node mode (its default on macOS and Windows)
 gives the node the loopback address, and every Ray server binds that address instead of all interfaces.
 Ray reads that switch once, when it is first imported, so an entry point calls `keep_local_ray_on_loopback`
-before importing anything that imports Ray.
+before importing anything that imports Ray. A driver joining a cluster on a loopback address needs the same
+switch: otherwise Ray rewrites 127.0.0.1 into the machine's interface address, where a head bound to loopback
+never answers.
 """
 
 from __future__ import annotations
@@ -12,19 +14,82 @@ import contextlib
 import ipaddress
 import logging
 import os
+import shutil
+import socket
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
+
+from vime_engine.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 SINGLE_NODE_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": single-node mode on any platform
+HEAD_ANSWER_TIMEOUT_S = 10.0  # a head that is starting answers within seconds; a dead port never does
+
+
+class ClusterUnreachable(ConnectionError):
+    """`--ray-address` does not answer: the cluster or its address is at fault, not the run (exit 3)."""
+
+
+def head_host_port(address: str) -> tuple[str, int] | None:
+    """The host and port a `--ray-address` names (`host:port` or `ray://host:port`); None for `auto`, which Ray
+    resolves itself from the last cluster `ray start` left on this machine."""
+    if address == "auto":
+        return None
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"--ray-address {address}: expected HOST:PORT (e.g. 10.0.0.1:6379) or auto")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback_address(address: str | None) -> bool:
+    try:
+        parsed = head_host_port(address) if address else None
+    except ConfigError:  # refused with its message when the run joins (wait_for_head)
+        return False
+    if parsed is None:
+        return False
+    host = parsed[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: whatever it resolves to, the cluster is on the network
+        return False
 
 
 def keep_local_ray_on_loopback(address: str | None) -> None:
-    """Before Ray is imported: a run without a cluster address gets a cluster bound to 127.0.0.1. A run that
-    joins a cluster keeps Ray's normal mode, where the other nodes reach this driver on its network address."""
-    if not address and "ray" not in sys.modules:
+    """Before Ray is imported: a run without a cluster address gets a cluster bound to 127.0.0.1, and a run
+    joining a cluster on a loopback address joins as a loopback node. A run that joins a cluster on the network
+    keeps Ray's normal mode, where the other nodes reach this driver on its network address."""
+    if (not address or is_loopback_address(address)) and "ray" not in sys.modules:
         os.environ.setdefault(SINGLE_NODE_SWITCH, "0")
+
+
+def wait_for_head(address: str, timeout_s: float = HEAD_ANSWER_TIMEOUT_S) -> None:
+    """Return once the head's port accepts a connection; raise `ClusterUnreachable` after `timeout_s`.
+
+    `ray.init` retries an address that does not answer for minutes, printing nothing a user can act on; a
+    TCP connect says within seconds whether anything listens there.
+    """
+    parsed = head_host_port(address)
+    if parsed is None:
+        return
+    deadline, reason = time.monotonic() + timeout_s, "no answer"
+    while True:
+        try:
+            with socket.create_connection(parsed, timeout=min(2.0, timeout_s)):
+                return
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise ClusterUnreachable(
+                f"--ray-address {address}: nothing answers at {parsed[0]}:{parsed[1]} after {timeout_s:.0f} s "
+                f"({reason}). Check that the head is running (`ray status --address {address}` on it), that the "
+                "port is its GCS port (`ray start --head --port`, 6379 by default) and reachable from here, and, "
+                "if the cluster uses token auth, that RAY_AUTH_TOKEN is the cluster's")
+        time.sleep(0.5)
 
 
 @contextlib.contextmanager
@@ -40,6 +105,7 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None) -> Iter
         yield
         return
     if address:
+        wait_for_head(address)
         ray.init(address=address, log_to_driver=True)
     else:
         temp_dir = tempfile.mkdtemp(prefix="vimeflow-ray-", dir=os.environ.get("VIMEFLOW_RAY_TMP", "/tmp"))
@@ -65,3 +131,5 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None) -> Iter
         yield
     finally:
         ray.shutdown()
+        if not address:  # the private cluster's session files (logs, sockets): nothing reads them after it
+            shutil.rmtree(temp_dir, ignore_errors=True)
