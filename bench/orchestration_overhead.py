@@ -42,6 +42,7 @@ def _params(config: Path, root: Path, run_name: str, dest: Path) -> Path:
 
 def overhead(config: Path, tmp: Path, env: dict) -> dict:
     from tasks.engine_job.layout import make_layout
+    from tasks.engine_job.messages import JobReport, decode
 
     root = tmp / "overhead"
     params = _params(config, root, "overhead", tmp / "overhead.yaml")
@@ -52,8 +53,8 @@ def overhead(config: Path, tmp: Path, env: dict) -> dict:
     layout = make_layout(root.as_uri(), "overhead")
     jobs = sorted((Path(layout.work_dir) / "jobs").glob("chunk-*/result.json"))
     evals = list((Path(layout.work_dir) / "evaluation").glob("rollout_*/job/result.json"))
-    train = sum(json.loads(p.read_text())["engine_seconds"] for p in jobs)
-    evaluation = sum(json.loads(p.read_text())["engine_seconds"] for p in evals)
+    train = sum(decode(JobReport, p.read_bytes(), str(p)).engine_seconds for p in jobs)
+    evaluation = sum(decode(JobReport, p.read_bytes(), str(p)).engine_seconds for p in evals)
     over = wall - train - evaluation
     return {"pipeline_wall_s": wall, "train_engine_s": train, "eval_engine_s": evaluation,
             "orchestration_s": over, "orchestration_share_of_training": over / train}

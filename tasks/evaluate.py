@@ -4,10 +4,10 @@ checkpoint.
 The engine evaluates the final weights itself, at the run's last rollout inside the last chunk; this task takes
 those numbers from the chunk's result (and the per-problem rows from the chunk's output directory, when the
 chunk ran on this machine) instead of evaluating a second time. It fetches the checkpoint from the storage root
-into a directory of its own and exports its weights as an HF directory in an engine child process
-(`--num-rollout 0 --load DIR --save-hf`, no eval sets). Both are committed to
-`{run}/evaluation/rollout_NNNNNNN/`; the result is cached by the checkpoint's manifest and the evaluation
-settings.
+into a directory of its own and exports its weights as an HF directory in an engine child process (an
+EvaluateJob: vime_engine.chunk.evaluate_checkpoint with `--num-rollout 0 --load DIR --save-hf`, no eval sets).
+Both are committed to `{run}/evaluation/rollout_NNNNNNN/`; the result is cached by the checkpoint's manifest
+and the evaluation settings.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks.engine_job.checkpoint_history import fetch_history, open_checkpoint
-from tasks.engine_job.process import is_infrastructure_failure, run_engine_job
 from tasks.engine_job.layout import EngineJob, RunLayout, localize
+from tasks.engine_job.messages import EvaluateJob
+from tasks.engine_job.process import is_infrastructure_failure, run_engine_job
 from tasks.storage import join_key, open_storage
 from tasks.train_chunk import ChunkOutcome
 from vime_engine.checkpoint import store as ckpt
@@ -93,7 +94,7 @@ def evaluate(job: EngineJob, layout: RunLayout, checkpoint: ChunkOutcome) -> Eva
         flags.pop(flag, None)
     flags.update({"save": None, "load": str(load_root), "num-rollout": 0, "output-dir": str(out),
                   "save-hf": str(out / "hf")})
-    run = run_engine_job({"mode": "evaluate", "flags": flags}, work / "job",
+    run = run_engine_job(EvaluateJob(flags=flags), work / "job",
                          log_file=Path(layout.work_dir) / "logs" / f"export-rollout_{rollout_id:07d}.log")
     for name, value in sorted(metrics.items()):
         if "/" not in name[5:]:

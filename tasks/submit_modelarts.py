@@ -1,10 +1,11 @@
 """submit_modelarts: one training chunk as a ModelArts training job, as a cached, retried Prefect task.
 
-The chunk's `ChunkSpec` goes to `{run}/modelarts/chunk-NNNNNNN.json` in the (obs://) storage root; the job runs
-`vimeflow modelarts-entrypoint --spec <that URI>` (tasks/modelarts/entrypoint.py) on the custom image. The
-job's log preview streams into the task's log. Its end:
+The chunk's `ChunkSpec` (tasks/engine_job/messages.py) goes to `{run}/modelarts/chunk-NNNNNNN.json` in the
+(obs://) storage root; the job runs `vimeflow modelarts-entrypoint --spec <that URI>`
+(tasks/modelarts/entrypoint.py) on the custom image. The job's log preview streams into the task's log. Its end:
 
-  Completed                    the entrypoint's result object → ChunkOutcome (as train_chunk returns it)
+  Completed                    the entrypoint's result object (a CommittedChunk) → ChunkOutcome (as train_chunk
+                               returns it)
   Abnormal / Lost / Unknown    ModelArtsJobLost: retried, as a NEW job that resumes from the newest checkpoint
                                the lost one committed
   Failed, task 0 exit 75 or 3  ModelArtsJobLost as well (preempted after a checkpoint; Ray or storage failure)
@@ -22,7 +23,6 @@ import re
 import secrets
 import shlex
 import time
-from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.states import Cancelled
@@ -33,8 +33,9 @@ from tasks.modelarts.client import (
     JobOutcome, JobResult, ModelArtsError, ModelArtsJobSpec, load_credentials, make_client, run_modelarts_job,
     show_job,
 )
-from tasks.modelarts.entrypoint import RETRYABLE_EXIT_CODES, ChunkSpec
+from tasks.modelarts.entrypoint import RETRYABLE_EXIT_CODES
 from tasks.engine_job.layout import EngineJob, RunLayout
+from tasks.engine_job.messages import ChunkSpec, CommittedChunk, decode
 from tasks.storage import open_storage
 from tasks.storage.errors import TransientStorageError
 from tasks.train_chunk import ChunkOutcome, chunk_cache_key
@@ -145,9 +146,10 @@ def submit_modelarts(job: EngineJob, layout: RunLayout, start: int, count: int, 
     """Train rollouts start … start+count-1 as a ModelArts job; the job commits the end checkpoint to OBS."""
     del previous  # the job resumes from what is committed in OBS; `previous` keys the cache
     logger = get_run_logger()
-    spec = ChunkSpec(layout.storage_root, layout.run_name, layout.work_dir, start, count, job)
+    spec = ChunkSpec(storage_root=layout.storage_root, run_name=layout.run_name, work_dir=layout.work_dir,
+                     start=start, count=count, job=job)
     root = open_storage(layout.storage_root)
-    root.put_bytes(spec.spec_key, spec.to_json().encode())
+    root.put_bytes(spec.spec_key, spec.model_dump_json(indent=1).encode())
     client = modelarts_client(settings)
     t0 = time.perf_counter()
     result = run_modelarts_job(job_spec(spec, root.uri(spec.spec_key), settings), client, logger=logger,
@@ -155,13 +157,13 @@ def submit_modelarts(job: EngineJob, layout: RunLayout, start: int, count: int, 
     if result.outcome is JobOutcome.CANCELLED:
         return Cancelled(message=f"ModelArts job {result.job_id} was terminated")
     outcome_of(result, None if result.outcome is JobOutcome.CRASHED else head_exit_code(client, result.job_id))
-    value: dict[str, Any] = root.read_json(spec.result_key)
+    done = decode(CommittedChunk, root.read_json(spec.result_key), root.uri(spec.result_key))
     logger.info("ModelArts job %s: rollouts %d..%d in %.0f s (engine %.0f s)", result.job_id, start,
-                value["last_rollout"], time.perf_counter() - t0, value["engine_seconds"])
+                done.last_rollout, time.perf_counter() - t0, done.engine_seconds)
     return ChunkOutcome(
-        checkpoint_uri=value["checkpoint_uri"], first_rollout=start, last_rollout=int(value["last_rollout"]),
-        manifest_sha256=value["manifest_sha256"], config_hash=value["config_hash"], metrics=value["metrics"],
-        resumed_from=value["resumed_from"], engine_seconds=float(value["engine_seconds"]),
-        wall_seconds=time.perf_counter() - t0, storage_manifest_sha256=value["storage_manifest_sha256"],
-        attempts=[result.job_id],
+        checkpoint_uri=done.checkpoint_uri, first_rollout=start, last_rollout=done.last_rollout,
+        manifest_sha256=done.manifest_sha256, config_hash=done.config_hash, metrics=done.metrics,
+        resumed_from=done.resumed_from, engine_seconds=done.engine_seconds,
+        wall_seconds=time.perf_counter() - t0, storage_manifest_sha256=done.storage_manifest_sha256,
+        attempts=[result.job_id], reference_seconds=done.reference_seconds,
     )

@@ -18,8 +18,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from tasks.engine_job.checkpoint_history import fetch_history, open_checkpoint, upload_history
-from tasks.engine_job.process import is_infrastructure_failure, run_engine_job
 from tasks.engine_job.layout import EngineJob, RunLayout, localize
+from tasks.engine_job.messages import TrainJob, TrainResult
+from tasks.engine_job.process import is_infrastructure_failure, run_engine_job
 from tasks.storage import join_key, open_storage
 from vime_engine.checkpoint import store as ckpt
 
@@ -106,22 +107,22 @@ def train_chunk(job: EngineJob, layout: RunLayout, start: int, count: int,
 
     log_file = Path(layout.work_dir) / "logs" / f"chunk-{start:07d}.log"
     logger.info("engine and worker logs: %s", log_file, extra={ENGINE_LOG_FILE: str(log_file)})
-    run = run_engine_job({"mode": "train", "flags": flags, "start": start, "count": count},
+    run = run_engine_job(TrainJob(flags=flags, start=start, count=count),
                          Path(layout.work_dir) / "jobs" / f"chunk-{start:07d}",
                          metrics_file=Path(flags["output-dir"]) / "metrics.jsonl", on_record=on_record,
                          log_file=log_file)
-    value = run.value
-    if value["resumed_from"] is not None and value["resumed_from"] >= start:
-        logger.info("resumed inside the chunk from rollout %d", value["resumed_from"])
-    last = int(value["last_rollout"])
+    value: TrainResult = run.value
+    if value.resumed_from is not None and value.resumed_from >= start:
+        logger.info("resumed inside the chunk from rollout %d", value.resumed_from)
+    last = value.last_rollout
     key = join_key(layout.run_prefix, "checkpoints", ckpt.checkpoint_dir(Path("."), last).name)
     root = open_storage(layout.storage_root)
-    upload_history(root, key, ckpt.validate(Path(value["checkpoint_path"]), content=False))
-    manifest = root.commit_tree(Path(value["checkpoint_path"]), key,
-                                meta={"rollout_id": last, "engine_manifest_sha256": value["manifest_sha256"]})
+    upload_history(root, key, ckpt.validate(Path(value.checkpoint_path), content=False))
+    manifest = root.commit_tree(Path(value.checkpoint_path), key,
+                                meta={"rollout_id": last, "engine_manifest_sha256": value.manifest_sha256})
     return ChunkOutcome(
         checkpoint_uri=root.uri(key), first_rollout=start, last_rollout=last,
-        manifest_sha256=value["manifest_sha256"], config_hash=value["config_hash"], metrics=value["metrics"],
-        resumed_from=value["resumed_from"], engine_seconds=run.engine_seconds, wall_seconds=run.wall_seconds,
-        storage_manifest_sha256=manifest.hash, reference_seconds=value.get("reference_seconds"),
+        manifest_sha256=value.manifest_sha256, config_hash=value.config_hash, metrics=value.metrics,
+        resumed_from=value.resumed_from, engine_seconds=run.engine_seconds, wall_seconds=run.wall_seconds,
+        storage_manifest_sha256=manifest.hash, reference_seconds=value.reference_seconds,
     )

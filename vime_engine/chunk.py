@@ -1,18 +1,25 @@
-"""Chunked execution: one resumable slice of an RL run, the unit a pipeline schedules and retries."""
+"""The units a pipeline schedules and retries: one resumable slice of an RL run (`run_chunk`), and the evaluation
+and HF export of a checkpoint (`evaluate_checkpoint`).
+
+The driver (and with it torch) is imported when a unit runs, not with the module: the flow side reads
+ChunkResult without loading the engine.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from vime_engine.checkpoint import store as ckpt
 from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.checkpoint.run_history import HISTORY_FILE, saved_records
-from vime_engine.runtime.driver import train
 
 
-@dataclass(frozen=True)
-class ChunkResult:
+class ChunkResult(BaseModel):
+    """A chunk's end checkpoint, its rollout range, the checkpoint's manifest hash and the last rollout's metrics."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
     checkpoint_path: str
     first_rollout: int
     last_rollout: int  # inclusive
@@ -45,6 +52,8 @@ def run_chunk(config: EngineConfig, start_rollout_id: int, num_rollouts: int) ->
             f"({found.path if found else 'none'}) ends at rollout {done_until - 1}: run the earlier chunks first"
         )
     if done_until < end:
+        from vime_engine.runtime.driver import train
+
         train(config, end_rollout_id=end)
     # Also for a chunk finished earlier: its own end checkpoint, even if later chunks have run since.
     found = ckpt.validate(ckpt.checkpoint_dir(config.checkpoint.save, end - 1))
@@ -56,3 +65,18 @@ def run_chunk(config: EngineConfig, start_rollout_id: int, num_rollouts: int) ->
         checkpoint_path=str(found.path), first_rollout=start_rollout_id, last_rollout=end - 1,
         manifest_sha256=found.manifest_hash, config_hash=state["config_hash"], metrics=last,
     )
+
+
+def evaluate_checkpoint(config: EngineConfig) -> dict[str, float]:
+    """Evaluate the weights `--load` names (or the initial HF model) on the eval sets and export them to
+    `--save-hf` when given; the eval sets' metrics.
+
+    The driver's run without rollouts: it loads, pushes the weights to the rollout engine, evaluates, exports.
+    A config that would train is refused, so an evaluation never moves a checkpoint on.
+    """
+    if config.rollout.num_rollout != 0:
+        raise ConfigError(f"evaluate_checkpoint trains nothing: --num-rollout must be 0, not "
+                          f"{config.rollout.num_rollout}")
+    from vime_engine.runtime.driver import train
+
+    return train(config).eval_metrics

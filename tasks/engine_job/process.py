@@ -32,7 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from tasks.engine_job.runner import EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, LOST, RESULT_FILE
+from tasks.engine_job.messages import (
+    LOST, RESULT_FILE, EngineError, EvaluateResult, Job, TrainResult, read_report, write_job,
+)
+from tasks.engine_job.runner import EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK
 from tasks.retry_policy import retry_on
 from tasks.storage.errors import TransientStorageError
 from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE
@@ -69,7 +72,7 @@ class EngineCodeFailure(EngineFailure):
 
 @dataclass(frozen=True)
 class EngineRun:
-    value: dict[str, Any]
+    value: TrainResult | EvaluateResult  # the job's result type (read as that type: a train job's is a TrainResult)
     engine_seconds: float  # measured inside the child: the engine's own time, start-up included
     wall_seconds: float  # measured here: child process start to exit
 
@@ -124,15 +127,13 @@ def run_chunk_runner(job_path: Path, output: IO[str] | None = None) -> int:
                           preexec_fn=_die_with_parent, check=False, stdout=output, stderr=output).returncode
 
 
-def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None = None,
+def run_engine_job(job: Job, job_dir: Path, metrics_file: Path | None = None,
                    on_record: RolloutCallback | None = None, log_file: Path | None = None) -> EngineRun:
     """Write the job, run the child, classify its exit. `on_record` sees each new metrics record; the child's
     output goes to `log_file` (default `job_dir/engine.log`) unless the engine output is streamed."""
     import time
 
-    job_dir.mkdir(parents=True, exist_ok=True)
-    job_path = job_dir / "job.json"
-    job_path.write_text(json.dumps(job, indent=1, default=str))
+    job_path = write_job(job_dir, job)
     (job_dir / RESULT_FILE).unlink(missing_ok=True)
     stop = threading.Event()
     watcher = None
@@ -147,7 +148,7 @@ def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None
             if log_file is not None:
                 log_file.parent.mkdir(parents=True, exist_ok=True)
                 output = files.enter_context(log_file.open("a"))
-                output.write(f"=== {job['mode']} job {job_path} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+                output.write(f"=== {job.mode} job {job_path} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
                 output.flush()
             returncode = run_chunk_runner(job_path, output)
     finally:
@@ -155,36 +156,34 @@ def run_engine_job(job: dict[str, Any], job_dir: Path, metrics_file: Path | None
         if watcher is not None:
             watcher.join(timeout=5)
     wall = time.perf_counter() - t0
-    result_path = job_dir / RESULT_FILE
-    result = json.loads(result_path.read_text()) if result_path.is_file() else None
-    if returncode == EXIT_OK and result is not None and "value" in result:
-        return EngineRun(result["value"], float(result["engine_seconds"]), wall)
-    failure = failure_for_exit(returncode, result)
+    report = read_report(job_dir, job)
+    if returncode == EXIT_OK and report is not None and report.value is not None:
+        return EngineRun(report.value, report.engine_seconds, wall)
+    failure = failure_for_exit(returncode, report.error if report is not None else None)
     if log_file is not None:
         failure.log_file = log_file
         failure.args = (f"{failure}\n(engine log: {log_file})",)
     raise failure
 
 
-def failure_for_exit(code: int, result: dict[str, Any] | None) -> EngineFailure:
-    """What a job that did not deliver its value means, from its exit code and its result.json (None: the
-    runner never started, e.g. Python could not import it)."""
-    error = (result or {}).get("error") or {}
-    message = error.get("message", "no message")
+def failure_for_exit(code: int, error: EngineError | None) -> EngineFailure:
+    """What a job that did not deliver its value means, from its exit code and the error its result.json reports
+    (None: the runner reported none, e.g. it never started because Python could not import it)."""
     if code in (PREEMPTED_EXIT_CODE, EXIT_INFRASTRUCTURE):
-        return InfrastructureFailure(f"engine exit {code}: {message}")
+        return InfrastructureFailure(f"engine exit {code}: {error.message if error else 'no message'}")
     if code < 0 or code == 128 + signal.SIGKILL:
         number = -code if code < 0 else code - 128
         return InfrastructureFailure(f"engine killed by signal {signal.Signals(number).name} (exit {code}): "
                                      "the OOM killer, a lost node or an operator")
-    if error.get("kind") == LOST:
+    if error is not None and error.kind == LOST:
         return InfrastructureFailure(
             f"engine exit {code} without reporting an outcome: the process was ended from below Python, as Ray "
             "ends its driver when the local raylet or object store dies (see the engine log)")
     if code == EXIT_CONFIG_ERROR:
-        return EngineConfigFailure(error.get("message", "configuration error"))
-    return EngineCodeFailure(error.get("traceback") or error.get("message")
-                             or f"engine exit {code} before the runner started (see its output)")
+        return EngineConfigFailure(error.message if error else "configuration error")
+    if error is None:
+        return EngineCodeFailure(f"engine exit {code} before the runner started (see its output)")
+    return EngineCodeFailure(error.traceback or error.message)
 
 
 # Prefect retry condition: retry only what another attempt can fix.

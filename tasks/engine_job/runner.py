@@ -2,21 +2,22 @@
 
 A stage runs the engine in a child process so that whatever happens to the engine (SIGTERM preemption, an
 OOM kill, a crashed Ray actor) reaches the Prefect task as an exit code it can classify, instead of taking
-the task's own process down. The job file names the mode and the flat engine values; the runner writes
-`result.json` next to it and exits with one of the codes below. No Prefect here: the same command runs
-inside a ModelArts container.
+the task's own process down. The job file (a TrainJob or an EvaluateJob, tasks/engine_job/messages.py) holds the
+flat engine values; the runner writes its JobReport to `result.json` next to it and exits with one of the codes
+below. No Prefect here: the same command runs inside a ModelArts container.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
 import traceback
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+
+from tasks.engine_job.messages import (
+    LOST, RESULT_FILE, EngineError, EvaluateResult, JobReport, TrainJob, TrainResult, read_job, write_report,
+)
 
 EXIT_OK = 0
 EXIT_CODE_ERROR = 1  # a bug: fail the task at once with the traceback
@@ -24,8 +25,6 @@ EXIT_CONFIG_ERROR = 2  # a configuration the engine refuses: fail at once with t
 EXIT_INFRASTRUCTURE = 3  # a dead Ray actor, raylet or node, lost objects, Ray's OOM kill, a silent head: retried
 # 75 (EX_TEMPFAIL) = preempted after a checkpoint: vime_engine.runtime.preemption.PREEMPTED_EXIT_CODE
 
-RESULT_FILE = "result.json"
-LOST = "lost"  # the error kind result.json holds while the job runs: still there = the process died unreported
 # Ray losing a process, node or object under the job (ray.exceptions): nothing the job's code did.
 RAY_INFRASTRUCTURE_ERRORS = (
     "RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError", "NodeDiedError",
@@ -70,32 +69,31 @@ def exit_code_for(exc: Exception) -> int:
     return EXIT_CODE_ERROR
 
 
-def _error_report(code: int, exc: Exception) -> dict[str, str]:
+def _error_report(code: int, exc: Exception) -> EngineError:
     if code == EXIT_CONFIG_ERROR:  # raised in a Ray worker: the worker's error, not Ray's traceback around it
-        return {"kind": "config", "message": str(getattr(exc, "cause", None) or exc)}
+        return EngineError(kind="config", message=str(getattr(exc, "cause", None) or exc))
     if code == EXIT_CODE_ERROR:  # a bug: report it whole
-        return {"kind": "code", "message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    return {"kind": "preempted" if code != EXIT_INFRASTRUCTURE else "infrastructure",
-            "message": f"{type(exc).__name__}: {exc}"}
+        return EngineError(kind="code", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+    return EngineError(kind="preempted" if code != EXIT_INFRASTRUCTURE else "infrastructure",
+                       message=f"{type(exc).__name__}: {exc}")
 
 
-def _train(cfg, job: dict[str, Any]) -> dict[str, Any]:
+def _train(cfg, job: TrainJob) -> TrainResult:
     from tasks.engine_job.speed_probe import reference_seconds
     from vime_engine.checkpoint import store as ckpt
     from vime_engine.chunk import run_chunk
 
     before = ckpt.find_latest(cfg.checkpoint.save, content=False)
     reference = reference_seconds()  # the machine's speed now, beside the step times this chunk logs
-    result = run_chunk(cfg, int(job["start"]), int(job["count"]))
-    return {**asdict(result), "resumed_from": before.rollout_id if before is not None else None,
-            "reference_seconds": reference}
+    result = run_chunk(cfg, job.start, job.count)
+    return TrainResult(**result.model_dump(), resumed_from=before.rollout_id if before is not None else None,
+                       reference_seconds=reference)
 
 
-def _evaluate(cfg, job: dict[str, Any]) -> dict[str, Any]:
-    from vime_engine.runtime.driver import train
+def _evaluate(cfg) -> EvaluateResult:
+    from vime_engine.chunk import evaluate_checkpoint
 
-    result = train(cfg)
-    return {"eval_metrics": result.eval_metrics}
+    return EvaluateResult(eval_metrics=evaluate_checkpoint(cfg))
 
 
 def run_job(job_path: Path) -> int:
@@ -107,23 +105,20 @@ def run_job(job_path: Path) -> int:
     out = job_path.parent / RESULT_FILE
     t0 = time.perf_counter()
 
-    def finish(code: int, **payload: Any) -> int:
-        payload["engine_seconds"] = time.perf_counter() - t0
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(payload, default=str))
-        tmp.replace(out)
+    def finish(code: int, value: TrainResult | EvaluateResult | None = None, error: EngineError | None = None) -> int:
+        write_report(out, JobReport(engine_seconds=time.perf_counter() - t0, value=value, error=error))
         return code
 
-    finish(EXIT_INFRASTRUCTURE, error={"kind": LOST, "message": "the engine process ended without reporting"})
+    finish(EXIT_INFRASTRUCTURE, error=EngineError(kind=LOST, message="the engine process ended without reporting"))
     try:
         from vime_engine.runtime.cluster import keep_local_ray_on_loopback
 
-        job = json.loads(job_path.read_text())
-        keep_local_ray_on_loopback(job["flags"].get("ray-address"))  # before anything imports Ray
+        job = read_job(job_path)
+        keep_local_ray_on_loopback(job.flags.get("ray-address"))  # before anything imports Ray
         from vime_engine.config import from_flat
 
-        cfg = from_flat(job["flags"])
-        value = (_train if job["mode"] == "train" else _evaluate)(cfg, job)
+        cfg = from_flat(job.flags)
+        value = _train(cfg, job) if isinstance(job, TrainJob) else _evaluate(cfg)
     except Exception as exc:  # noqa: BLE001  (every outcome is reported; its code says what it was)
         code = exit_code_for(exc)
         return finish(code, error=_error_report(code, exc))

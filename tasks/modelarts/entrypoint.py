@@ -1,13 +1,15 @@
 """`vimeflow modelarts-entrypoint`: one training chunk inside a ModelArts training-job container.
 
-The submitter (tasks/submit_modelarts.py) writes a `ChunkSpec` to the run's OBS prefix and creates a job whose
-command is `vimeflow modelarts-entrypoint --spec obs://…/modelarts/chunk-NNNNNNN.json`. Every task (node) of
-the job runs that command with ModelArts' environment (`VC_TASK_INDEX`, `VC_WORKER_HOSTS`, `MA_NUM_HOSTS`):
+The submitter (tasks/submit_modelarts.py) writes a `ChunkSpec` (tasks/engine_job/messages.py) to the run's OBS
+prefix and creates a job whose command is `vimeflow modelarts-entrypoint --spec obs://…/modelarts/chunk-NNNNNNN.json`.
+Every task (node) of the job runs that command with ModelArts' environment (`VC_TASK_INDEX`, `VC_WORKER_HOSTS`,
+`MA_NUM_HOSTS`):
 
   task 0 (head)   fetch model and data (sha256-verified), replace the local checkpoint directory by the newest
                   checkpoint committed to OBS, start the Ray head when the job has several nodes, run the chunk
                   (`tasks.engine_job.runner` → `run_chunk`) in a child process, commit each checkpoint to OBS as
-                  soon as the engine writes it (manifest last), write the chunk's result object, exit.
+                  soon as the engine writes it (manifest last), write the chunk's result object (a
+                  `CommittedChunk`), exit.
   task i > 0      join the head's Ray cluster and stay until the chunk's result is in OBS (exit 0) or the head
                   goes away without it (EXIT_INFRASTRUCTURE).
 
@@ -24,7 +26,6 @@ No Prefect here.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -33,13 +34,16 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.engine_job.checkpoint_history import fetch_history, upload_history
-from tasks.engine_job.runner import EXIT_CODE_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK, RESULT_FILE
+from tasks.engine_job.layout import RunLayout, localize
+from tasks.engine_job.messages import (
+    ChunkSpec, CommittedChunk, EngineError, TrainJob, decode, read_report, write_job,
+)
 from tasks.engine_job.process import InfrastructureFailure, failure_for_exit, run_chunk_runner
-from tasks.engine_job.layout import DatasetRef, EngineJob, RunLayout, localize
+from tasks.engine_job.runner import EXIT_CODE_ERROR, EXIT_INFRASTRUCTURE, EXIT_OK
 from tasks.storage import Storage, dir_prefix, join_key, open_storage
 from tasks.storage.errors import StorageError, TransientStorageError
 from vime_engine.checkpoint import store as ckpt
@@ -58,43 +62,7 @@ def say(message: str) -> None:
     print(f"[vimeflow] {message}", flush=True)
 
 
-# ---------------------------------------------------------------- the submitter ↔ entrypoint contract
-
-
-@dataclass(frozen=True)
-class ChunkSpec:
-    """What one job trains: rollouts start … start+count-1 of `job`, with the run at `storage_root`."""
-
-    storage_root: str
-    run_name: str
-    work_dir: str  # the run's local directory: model, data, checkpoints (the same path on every machine)
-    start: int
-    count: int
-    job: EngineJob
-
-    @property
-    def run_prefix(self) -> str:
-        return f"runs/{self.run_name}"
-
-    @property
-    def spec_key(self) -> str:
-        return join_key(self.run_prefix, "modelarts", f"chunk-{self.start:07d}.json")
-
-    @property
-    def result_key(self) -> str:
-        return join_key(self.run_prefix, "modelarts", f"chunk-{self.start:07d}-result.json")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> ChunkSpec:
-        data = json.loads(text)
-        job = dict(data["job"])
-        job["train_data"] = DatasetRef(**job["train_data"])
-        job["eval_data"] = [DatasetRef(**d) for d in job.get("eval_data", [])]
-        return cls(data["storage_root"], data["run_name"], data["work_dir"], int(data["start"]), int(data["count"]),
-                   EngineJob(**job))
+# ---------------------------------------------------------------- the run in OBS
 
 
 def checkpoint_key(run_prefix: str, rollout_id: int) -> str:
@@ -263,12 +231,13 @@ class CheckpointCommitter:
 # ---------------------------------------------------------------- the head's work
 
 
-def head_exit_code(engine_code: int, result: dict) -> int:
-    """The head's exit code for the engine child's: a lost engine (the raylet died and Ray ended it with exit 1,
-    or a signal) becomes EXIT_INFRASTRUCTURE, which the submitter retries; the rest pass through."""
+def head_exit_code(engine_code: int, error: EngineError | None) -> int:
+    """The head's exit code for the engine child's (and the error its report holds): a lost engine (the raylet
+    died and Ray ended it with exit 1, or a signal) becomes EXIT_INFRASTRUCTURE, which the submitter retries; the
+    rest pass through."""
     if engine_code in (EXIT_OK, PREEMPTED_EXIT_CODE):
         return engine_code
-    return EXIT_INFRASTRUCTURE if isinstance(failure_for_exit(engine_code, result), InfrastructureFailure) \
+    return EXIT_INFRASTRUCTURE if isinstance(failure_for_exit(engine_code, error), InfrastructureFailure) \
         else engine_code
 
 
@@ -287,28 +256,29 @@ def run_head(spec: ChunkSpec, cluster: ClusterEnv) -> int:
     if cluster.multi_node:
         flags["ray-address"] = start_ray_head(cluster)
     job_dir = Path(layout.work_dir) / "jobs" / f"chunk-{spec.start:07d}"
-    job_dir.mkdir(parents=True, exist_ok=True)
-    (job_dir / "job.json").write_text(json.dumps(
-        {"mode": "train", "flags": flags, "start": spec.start, "count": spec.count}, default=str))
+    job = TrainJob(flags=flags, start=spec.start, count=spec.count)
+    job_path = write_job(job_dir, job)
     try:
         with CheckpointCommitter(root, spec.run_prefix, save_dir, committed) as committer:
-            code = run_chunk_runner(job_dir / "job.json")
-        result = json.loads((job_dir / RESULT_FILE).read_text())
-        code = head_exit_code(code, result)
+            code = run_chunk_runner(job_path)
+        report = read_report(job_dir, job)
+        error = report.error if report is not None else None
+        code = head_exit_code(code, error)
         committer.commit_pending()  # the end checkpoint, or whatever was written before the engine left
         if code == PREEMPTED_EXIT_CODE:
             say("preempted: the newest checkpoint is committed; a new job continues from it")
             return code
         if code != EXIT_OK:
-            error = result.get("error", {})
-            say(f"engine exit {code} ({error.get('kind')}): {error.get('traceback') or error.get('message')}")
+            say(f"engine exit {code} ({error.kind if error else 'no report'}): "
+                f"{(error.traceback or error.message) if error else 'the runner never started'}")
             return code
-        value = result["value"]
-        last = int(value["last_rollout"])
-        root.put_bytes(spec.result_key, json.dumps({
-            **value, "resumed_from": resumed, "engine_seconds": result["engine_seconds"],
-            "checkpoint_uri": root.uri(checkpoint_key(spec.run_prefix, last)),
-            "storage_manifest_sha256": committer.committed[last]}, default=str).encode())
+        value = report.value  # exit 0: the runner reported its value
+        last = value.last_rollout
+        done = CommittedChunk(**value.model_dump(exclude={"resumed_from"}), resumed_from=resumed,
+                              engine_seconds=report.engine_seconds,
+                              checkpoint_uri=root.uri(checkpoint_key(spec.run_prefix, last)),
+                              storage_manifest_sha256=committer.committed[last])
+        root.put_bytes(spec.result_key, done.model_dump_json().encode())
         say(f"chunk done: rollouts {spec.start}..{last} committed")
         return EXIT_OK
     except TransientStorageError as exc:
@@ -323,12 +293,12 @@ def main(spec_uri: str, environ: dict[str, str] | None = None) -> int:
     """The entrypoint: read the spec and ModelArts' environment, run this task's part, return the exit code."""
     environ = dict(os.environ if environ is None else environ)
     try:
-        spec = ChunkSpec.from_json(read_uri(spec_uri).decode())
+        spec = decode(ChunkSpec, read_uri(spec_uri), spec_uri)
         cluster = parse_cluster_env(environ)
     except TransientStorageError as exc:
         say(f"storage unavailable: {exc}")
         return EXIT_INFRASTRUCTURE
-    except (StorageError, ValueError, KeyError, TypeError) as exc:
+    except (StorageError, ValueError) as exc:  # a spec that does not parse: MessageError, naming each field
         say(f"cannot start: {type(exc).__name__}: {exc}")
         return EXIT_CODE_ERROR
     if not cluster.is_head:

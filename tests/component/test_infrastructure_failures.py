@@ -15,8 +15,9 @@ import psutil
 import pytest
 import ray.exceptions as rex
 
+from tasks.engine_job.messages import LOST, EngineError, TrainJob
 from tasks.engine_job.runner import (
-    EXIT_CODE_ERROR, EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, LOST, exit_code_for, is_infrastructure_error,
+    EXIT_CODE_ERROR, EXIT_CONFIG_ERROR, EXIT_INFRASTRUCTURE, exit_code_for, is_infrastructure_error,
 )
 from tasks.engine_job.process import (
     EngineCodeFailure, EngineConfigFailure, InfrastructureFailure, failure_for_exit, run_engine_job,
@@ -72,26 +73,27 @@ def test_the_runner_exit_code_of_each_failure(case):
     assert is_infrastructure_error(exc) is (code == EXIT_INFRASTRUCTURE)
 
 
+UNREPORTED = EngineError(kind=LOST, message="the engine process ended without reporting")
 EXITS = {
-    "preempted": (PREEMPTED_EXIT_CODE, {"error": {"kind": "preempted", "message": "after rollout 3"}},
+    "preempted": (PREEMPTED_EXIT_CODE, EngineError(kind="preempted", message="after rollout 3"),
                   InfrastructureFailure, "after rollout 3"),
-    "ray infrastructure": (EXIT_INFRASTRUCTURE, {"error": {"kind": "infrastructure", "message": "ActorDiedError"}},
+    "ray infrastructure": (EXIT_INFRASTRUCTURE, EngineError(kind="infrastructure", message="ActorDiedError"),
                            InfrastructureFailure, "ActorDiedError"),
-    "SIGKILL (OOM killer)": (-signal.SIGKILL, {"error": {"kind": LOST}}, InfrastructureFailure, "SIGKILL"),
+    "SIGKILL (OOM killer)": (-signal.SIGKILL, UNREPORTED, InfrastructureFailure, "SIGKILL"),
     "137 through a shell": (128 + signal.SIGKILL, None, InfrastructureFailure, "SIGKILL"),
-    "ended unreported (raylet died)": (1, {"error": {"kind": LOST}}, InfrastructureFailure, "without reporting"),
-    "configuration": (EXIT_CONFIG_ERROR, {"error": {"kind": "config", "message": "--lr must be > 0"}},
+    "ended unreported (raylet died)": (1, UNREPORTED, InfrastructureFailure, "without reporting"),
+    "configuration": (EXIT_CONFIG_ERROR, EngineError(kind="config", message="--lr must be > 0"),
                       EngineConfigFailure, "--lr must be > 0"),
-    "a bug": (EXIT_CODE_ERROR, {"error": {"kind": "code", "traceback": "Traceback … KeyError"}},
-              EngineCodeFailure, "KeyError"),
+    "a bug": (EXIT_CODE_ERROR, EngineError(kind="code", message="KeyError: 'x'", traceback="Traceback … KeyError"),
+              EngineCodeFailure, "Traceback … KeyError"),
     "the runner never started": (1, None, EngineCodeFailure, "before the runner started"),
 }
 
 
 @pytest.mark.parametrize("case", EXITS)
 def test_what_the_task_makes_of_each_exit(case):
-    code, result, failure, text = EXITS[case]
-    got = failure_for_exit(code, result)
+    code, error, failure, text = EXITS[case]
+    got = failure_for_exit(code, error)
     assert type(got) is failure and text in str(got)
 
 
@@ -148,7 +150,7 @@ def test_a_raylet_killed_under_a_run_is_a_retryable_infrastructure_failure(tmp_p
 
     def run() -> None:
         try:
-            run_engine_job({"mode": "train", "flags": flags, "start": 0, "count": 20}, tmp_path / "job")
+            run_engine_job(TrainJob(flags=flags, start=0, count=20), tmp_path / "job")
         except BaseException as exc:  # noqa: BLE001  (what the task sees)
             outcome["error"] = exc
 

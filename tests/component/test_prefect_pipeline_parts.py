@@ -7,6 +7,7 @@ import pytest
 
 from flows.params import PipelineParams
 from flows.rl_pipeline import chunk_ranges
+from tasks.engine_job.messages import TrainJob
 from tasks.engine_job.process import (
     EngineCodeFailure, EngineConfigFailure, InfrastructureFailure, is_infrastructure_failure, run_engine_job,
 )
@@ -30,14 +31,14 @@ def test_parameters_reject_pipeline_managed_and_invalid_engine_flags():
 def test_engine_config_error_comes_back_with_the_engines_message(tmp_path):
     flags = {"hf-checkpoint": "m", "prompt-data": "d", "save": str(tmp_path), "n-samples-per-prompt": 1}
     with pytest.raises(EngineConfigFailure, match="set --n-samples-per-prompt to 2 or more"):
-        run_engine_job({"mode": "train", "flags": flags, "start": 0, "count": 1}, tmp_path / "job")
+        run_engine_job(TrainJob(flags=flags, start=0, count=1), tmp_path / "job")
 
 
-def test_engine_code_error_comes_back_with_its_traceback(tmp_path, tiny_model, arithmetic_data):
-    flags = {"hf-checkpoint": str(tiny_model), "prompt-data": str(arithmetic_data), "input-key": "question",
-             "label-key": "answer", "save": str(tmp_path / "ckpt"), "num-rollout": 1}
-    with pytest.raises(EngineCodeFailure, match="(?s)Traceback.*ValueError"):  # a job file no caller writes
-        run_engine_job({"mode": "train", "flags": flags, "start": "first", "count": 1}, tmp_path / "job")
+def test_engine_code_error_comes_back_with_its_traceback(tmp_path):
+    bad = TrainJob.model_construct(flags={}, start="first", count=1)  # a job file no caller writes
+    named = r"(?s)Traceback.*MessageError: .*job\.json does not hold .*train\.start: Input should be a valid integer"
+    with pytest.raises(EngineCodeFailure, match=named), pytest.warns(UserWarning, match="serializ"):
+        run_engine_job(bad, tmp_path / "job")
 
 
 def test_prefect_retries_infrastructure_failures_only(prefect_harness):

@@ -12,6 +12,7 @@ import torch
 from prefect.states import Failed
 from safetensors.torch import save_file
 
+from tasks.engine_job.messages import EngineError
 from tasks.engine_job.process import EngineConfigFailure, failure_for_exit, is_infrastructure_failure
 from tasks.engine_job.runner import EXIT_CONFIG_ERROR, exit_code_for
 from vime_engine.checkpoint.finite import (
@@ -55,6 +56,6 @@ def test_a_save_refuses_non_finite_tensors_before_writing_and_a_load_reports_the
 def test_a_diverged_chunk_exits_2_and_is_not_retried():
     in_a_trainer = rex.RayTaskError("save_state", "tb", DivergenceError("rollout_0000002: …")).as_instanceof_cause()
     assert exit_code_for(DivergenceError("rollout 2 diverged")) == exit_code_for(in_a_trainer) == 2
-    failure = failure_for_exit(EXIT_CONFIG_ERROR, {"error": {"kind": "config", "message": "rollout 2 diverged"}})
+    failure = failure_for_exit(EXIT_CONFIG_ERROR, EngineError(kind="config", message="rollout 2 diverged"))
     assert isinstance(failure, EngineConfigFailure) and "rollout 2 diverged" in str(failure)
     assert is_infrastructure_failure(None, None, Failed(data=failure)) is False
