@@ -1,5 +1,6 @@
-"""`vimeflow train` end to end on the tiny model: vime's Qwen3-4B flag list (disaggregated, two trainer ranks),
-eval-only runs, HF export; nothing of the private Ray cluster left behind."""
+"""`vimeflow train` end to end on the tiny model: vime's Qwen3-4B launch flags as they are (colocated, Megatron at
+TP=2 on two ranks with one vLLM engine tensor parallel across both), eval-only runs, HF export; nothing of the
+private Ray cluster left behind."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tests.unit.test_config import QWEN3_DISAGGREGATED
+from tests.unit.test_config import QWEN3_4B_SCRIPT
 from tests.unit.test_model_flags import TINY_QWEN3_MODEL_FLAGS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ def _swap_paths(flags: list[str], mapping: dict[str, str]) -> list[str]:
 
 def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path, tiny_model, arithmetic_data, aime_data):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    flags = _swap_paths(QWEN3_DISAGGREGATED, {
+    flags = _swap_paths(QWEN3_4B_SCRIPT, {
         "/models/m": str(tiny_model), "/data/p.jsonl": str(arithmetic_data), "/data/aime.jsonl": str(aime_data),
         "/ckpt": str(ckpt),
     })
@@ -39,9 +40,9 @@ def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path,
         "--eval-max-response-len", "8", "--n-samples-per-eval-prompt", "2", "--eval-interval", "1",
         "--eval-input-key", "prompt", "--eval-label-key", "label", "--eval-rm-type", "math",
         "--max-tokens-per-gpu", "512", "--vllm-kv-cache-gb", "0.25", "--output-dir", str(out),
-        "--rollout-num-gpus-per-engine", "1",  # vLLM-CPU tensor parallelism needs one NUMA node per rank
-        "--actor-num-gpus-per-node", "2",  # a trainer group of two data-parallel ranks (one Ray CPU each)
-        "--colocate", "false",  # the script's disaggregated layout: on CPU `auto` would colocate
+        "--actor-num-gpus-per-node", "2",  # two ranks (one Ray CPU each), the script's engine of 2 across them
+        "--train-backend", "megatron", "--tensor-model-parallel-size", "2",  # the script's Megatron part
+        "--save-hf", str(tmp_path / "hf-trained"),
         *TINY_QWEN3_MODEL_FLAGS,  # the script's scripts/models/qwen3-4B.sh part, for the tiny model
     ]
     # Where the private cluster keeps its session (a short path: Ray's sockets live in it), removed at the end.
@@ -57,7 +58,8 @@ def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path,
     log = out / "logs" / "engine.log"
     assert f"engine and worker logs: {log}" in run.stdout
     logged = log.read_text()
-    assert "(TrainerRank pid=" in logged and "(RolloutActor pid=" in logged and "Initializing a V1 LLM engine" in logged
+    assert "(ColocatedActor pid=" in logged and "Initializing a V1 LLM engine" in logged
+    assert "tensor_parallel_size=2" in logged  # one engine's shards, one in each rank's process
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_lines = [line for line in lines if "train/kl_loss" in line]
     assert [line["rollout_id"] for line in train_lines] == [0, 1]
@@ -65,7 +67,7 @@ def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path,
     assert "eval/aime-pass@2" in lines[0] and lines[0]["rollout_id"] == -1  # the baseline before training
     assert (ckpt / "LATEST").read_text() == "rollout_0000001"
 
-    # Eval only on the saved checkpoint, exporting the weights as an HF directory.
+    # Eval only on the saved (torch_dist) checkpoint, exporting the weights as an HF directory.
     hf_dir = tmp_path / "hf"
     run = _vimeflow(*flags, *scaled_down, "--num-rollout", "0", "--n-samples-per-eval-prompt", "4",
                     "--save-hf", str(hf_dir))
@@ -80,11 +82,14 @@ def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path,
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    # The weights restored from the checkpoint are the ones the first run trained, bit for bit.
     exported = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
-    saved = load_file(str(ckpt / "rollout_0000001" / "model.safetensors"))
-    for name, tensor in exported.state_dict().items():
-        if name in saved:
-            assert torch.equal(tensor, saved[name]), name
+    trained = load_file(str(tmp_path / "hf-trained" / "model.safetensors"))
+    initial = load_file(str(tiny_model / "model.safetensors"))
+    assert set(trained) <= set(exported.state_dict())
+    for name, tensor in trained.items():
+        assert torch.equal(exported.state_dict()[name], tensor), name
+    assert max((trained[n] - initial[n]).abs().max().item() for n in trained) > 0  # training moved them
 
 
 def test_bad_flag_fails_before_any_model_loads(tmp_path):

@@ -287,13 +287,14 @@ def test_multi_turn_conversations_cut_off_and_killed_resume_bit_identical(tmp_pa
     assert history == ref_history
 
 
-# Megatron in the same run as vLLM (megatron-core 0.16 in this lane), tensor parallel over two Ray ranks (gloo):
-# each rollout is generated right after a weight sync, so Megatron's log-probs of the sampled tokens must equal
-# vLLM's (fp32), and a rank SIGKILLed in rollout 1's first optimizer step resumes from the torch_dist checkpoint
-# of rollout 0 to the same HF export, bit for bit. Each rank maps megatron-core's hard-coded CUDA calls onto the
+# Megatron in the same run as vLLM (megatron-core 0.16 in this lane), tensor parallel over two Ray ranks (gloo),
+# colocated with one vLLM engine tensor parallel across the same two ranks' processes (vime's layout): each rollout
+# is generated right after a weight sync, so Megatron's log-probs of the sampled tokens must equal vLLM's (fp32),
+# and a rank SIGKILLed in rollout 1's first optimizer step (its engine shard with it) resumes from the torch_dist
+# checkpoint of rollout 0 to the same HF export, bit for bit. Each rank maps megatron-core's hard-coded CUDA calls onto the
 # CPU itself (vime_engine/devices/megatron_on_cpu.py), as a user's run does.
 MEGATRON_TP2 = {"train-backend": "megatron", "tensor-model-parallel-size": 2, "actor-num-gpus-per-node": 2,
-                "micro-batch-size": 4,
+                "colocate": True, "rollout-num-gpus-per-engine": 2, "micro-batch-size": 4,
                 "num-rollout": 2, "over-sampling-batch-size": 4}  # no surplus groups: every sample is fresh
 
 

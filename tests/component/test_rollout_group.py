@@ -1,5 +1,6 @@
 """The rollout group: two vLLM engines (`--rollout-num-gpus 2`, or `--colocate` beside two trainer ranks) sample
-exactly what one engine does, and every weight sync reaches both.
+exactly what one engine does, and every weight sync reaches both; one engine tensor parallel across two colocated
+ranks' processes samples and syncs like any engine.
 
 Real Ray actors and real vLLM on the tiny Qwen3 in fp32, in a private local cluster: one trainer rank and two
 engines of one Ray CPU each. On two shared cores this shows the group is right, not that it is faster.
@@ -95,3 +96,30 @@ def test_two_colocated_ranks_each_hold_an_engine_that_samples_like_one_and_loads
         fresh = workers.generate(RECORDS, 1, 0, plan).result()
         assert {s.weight_version for s in fresh} == {1}
         assert _max_gap(workers, fresh) <= 1e-5  # groups of both engines: each rank loaded the new weights
+
+
+@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+def test_two_colocated_ranks_share_one_tensor_parallel_engine(cfg, cluster, backend):
+    """--colocate --rollout-num-gpus-per-engine 2: one vLLM engine tensor parallel across both ranks' processes
+    (a shard in each); it samples deterministically, streams and aborts like any engine, and every sync loads the
+    trained weights into both shards (each rank gathers the full weights, FSDP2's sharded ones included)."""
+    plan = train_plan(cfg)
+    placed = with_overrides(cfg, colocate=True, actor_num_gpus_per_node=2, rollout_num_gpus_per_engine=2,
+                            train_backend=backend)
+    with Workers(placed, CPU) as workers:
+        assert len(workers.rollout.engines) == 1
+        workers.sync_weights(0)
+        first = workers.generate(RECORDS, 0, 0, plan).result()
+        assert _drawn(workers.generate(RECORDS, 0, 0, plan).result()) == _drawn(first)
+        assert _max_gap(workers, first) <= 1e-5
+
+        stream = workers.stream(RECORDS, [], 0, 0, plan)
+        done, unfinished = stream.advance(), stream.abort()
+        assert sorted(g[0].group_index for g in done + unfinished) == list(range(len(RECORDS)))
+
+        workers.train(first)
+        assert _max_gap(workers, first) > 1e-3
+        workers.sync_weights(1)
+        fresh = workers.generate(RECORDS, 1, 0, plan).result()
+        assert {s.weight_version for s in fresh} == {1}
+        assert _max_gap(workers, fresh) <= 1e-5  # both shards loaded the new weights

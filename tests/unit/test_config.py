@@ -27,10 +27,8 @@ QWEN3_DISAGGREGATED = [flag for flag in QWEN3_4B_SCRIPT if flag != "--colocate"]
 
 
 def test_vime_qwen3_4b_script_parses_with_vime_meanings():
-    # Colocated engines of two devices (vLLM tensor parallel across two ranks' actors) are not built yet: refused,
-    # not ignored; one engine beside each of the 8 ranks is.
-    with pytest.raises(ConfigError, match="--colocate runs one engine inside each .*--rollout-num-gpus-per-engine 2"):
-        build_config(QWEN3_4B_SCRIPT)
+    # Colocated: 4 engines of two devices, each tensor parallel across two of the 8 ranks; of one device, 8.
+    assert build_config(QWEN3_4B_SCRIPT).rollout_engines == 4
     assert build_config([*QWEN3_4B_SCRIPT, "--rollout-num-gpus-per-engine", "1"]).rollout_engines == 8
     cfg = build_config(QWEN3_DISAGGREGATED)
     assert cfg.rollout.rollout_batch_size == 32 and cfg.rollout.n_samples_per_prompt == 8

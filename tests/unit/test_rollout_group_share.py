@@ -61,9 +61,9 @@ def test_rollout_devices_size_the_group_and_the_local_cluster():
     (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "does not split into engines .* multiple of 2"),
     (["--rollout-num-gpus", "1", "--rollout-num-gpus-per-engine", "2"], "does not split into engines"),
     (["--rollout-num-gpus-per-engine", "0"], "at least 1 device"),
-    (["--rollout-num-gpus", "2", "--colocate"], "beside each of the 1 trainer ranks.* leave it out or give 1"),
-    (["--colocate", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus-per-engine", "2"],
-     "engines of several devices"),
+    (["--rollout-num-gpus", "2", "--colocate"], "devices of the 1 trainer ranks.* leave it out or give 1"),
+    (["--colocate", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "3"],
+     "--actor-num-gpus-per-node 4 does not split into engines of 3: use a divisor of 4"),
 ])
 def test_rollout_layouts_that_cannot_run_are_refused(flags, message):
     with pytest.raises(ConfigError, match=message):

@@ -114,17 +114,19 @@ def _check_rollout_layout(cfg: EngineConfig) -> None:
 
 
 def _check_colocated_engines(cfg: EngineConfig) -> None:
-    """Colocated: engine i runs inside trainer rank i's actor, on that rank's one device."""
-    r, world = cfg.rollout, cfg.trainer_world_size
-    if r.rollout_num_gpus_per_engine != 1:
+    """Colocated: engine i runs inside trainer rank i's actor, on that rank's one device, or with E devices per
+    engine as one tensor-parallel engine across ranks iE … iE+E−1, which must be on one node."""
+    r, world, per_node = cfg.rollout, cfg.trainer_world_size, cfg.placement.actor_num_gpus_per_node
+    per_engine = r.rollout_num_gpus_per_engine
+    if per_node % per_engine:
         raise ConfigError(
-            f"--colocate runs one engine inside each trainer rank's actor, on its one device, but "
-            f"--rollout-num-gpus-per-engine {r.rollout_num_gpus_per_engine} asks for engines of several devices: "
-            "drop --colocate, or --rollout-num-gpus-per-engine"
+            f"--colocate spreads each engine over --rollout-num-gpus-per-engine {per_engine} trainer ranks of one "
+            f"node, but --actor-num-gpus-per-node {per_node} does not split into engines of {per_engine}: use a "
+            f"divisor of {per_node}"
         )
     if r.rollout_num_gpus not in (None, world):
         raise ConfigError(
-            f"--colocate runs one engine beside each of the {world} trainer ranks, on their devices, but "
+            f"--colocate runs the engines on the devices of the {world} trainer ranks, but "
             f"--rollout-num-gpus {r.rollout_num_gpus} asks for {r.rollout_num_gpus}: leave it out or give {world}"
         )
 

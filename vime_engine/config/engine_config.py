@@ -57,10 +57,10 @@ class EngineConfig(BaseModel):
     @property
     def rollout_engines(self) -> int:
         """vLLM engines of the rollout group: `--rollout-num-gpus / --rollout-num-gpus-per-engine` (one without
-        `--rollout-num-gpus`); colocated, one beside each trainer rank."""
+        `--rollout-num-gpus`); colocated, one across each `--rollout-num-gpus-per-engine` trainer ranks."""
         r = self.rollout
         if self.placement.colocate is True:
-            return self.trainer_world_size
+            return self.trainer_world_size // r.rollout_num_gpus_per_engine
         return 1 if r.rollout_num_gpus is None else r.rollout_num_gpus // r.rollout_num_gpus_per_engine
 
     @property

@@ -81,6 +81,9 @@ class EngineSettings:
     kv_cache_bytes: int | None = None  # CPU: the KV cache size; None = let vLLM size it on accelerators
     gpu_memory_utilization: float = 0.6
     tensor_parallel_size: int = 1
+    # "external_launcher": this process is one tensor-parallel shard of an engine spread over the trainer's ranks
+    # (colocated), each shard running the same scheduler on the same requests; None: vLLM's own executor.
+    distributed_executor_backend: str | None = None
     tuning: DeviceTuning = field(default_factory=DeviceTuning)
 
 
@@ -127,6 +130,8 @@ class VLLMEngine:
         extra = {}
         if settings.kv_cache_bytes is not None:
             extra["kv_cache_memory_bytes"] = settings.kv_cache_bytes
+        if settings.distributed_executor_backend is not None:
+            extra["distributed_executor_backend"] = settings.distributed_executor_backend
         max_model_len = settings.max_model_len or _model_max_positions(settings.model_path)
         self.max_model_len = max_model_len  # prompt + response tokens a request may hold
         self.engine_kwargs = device_engine_kwargs(current_platform.device_type, settings.tuning, max_model_len)

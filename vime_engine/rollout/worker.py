@@ -60,10 +60,12 @@ def engine_settings(cfg: EngineConfig, kv_cache_bytes: int | None) -> EngineSett
     def given(value):  # "auto" leaves the choice to the device (device_engine_kwargs)
         return None if value == "auto" else value
 
+    spread_over_ranks = cfg.placement.colocate is True and r.rollout_num_gpus_per_engine > 1
     return EngineSettings(
         model_path=cfg.model.hf_checkpoint, dtype=cfg.model.dtype, max_model_len=r.vllm_max_model_len,
         seed=cfg.data.rollout_seed, kv_cache_bytes=kv_cache_bytes,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization, tensor_parallel_size=r.rollout_num_gpus_per_engine,
+        distributed_executor_backend="external_launcher" if spread_over_ranks else None,
         tuning=DeviceTuning(
             enforce_eager=given(r.vllm_enforce_eager), enable_prefix_caching=given(r.vllm_enable_prefix_caching),
             enable_chunked_prefill=given(r.vllm_enable_chunked_prefill),

@@ -82,6 +82,8 @@ class RolloutEngine(Protocol):
     def loaded_weight_version(self) -> int: ...
 
 
+# An engine's actor, or what answers the same `.method.remote(...)` calls for an engine spread over several
+# colocated trainer ranks (vime_engine.runtime.workers.TensorParallelEngine).
 EngineHandle = ActorHandle[RolloutEngine]
 
 

@@ -1,7 +1,10 @@
 """Placing the trainer group and the rollout group on Ray, colocated or disaggregated, behind one facade.
 
 Colocated: each trainer rank's actor also holds an engine on the rank's device (engine i beside rank i); every
-rank gathers the full weights (collective) and loads them into its own engine in process memory.
+rank gathers the full weights (collective) and loads them into its own engine in process memory. With
+`--rollout-num-gpus-per-engine E` > 1, engine i is one vLLM engine tensor parallel over ranks iE … iE+E−1, a shard
+in each rank's process (vLLM's external-launcher mode; `TensorParallelEngine`), and each rank loads the full
+weights into its shard.
 Disaggregated: the trainer group (vime_engine.runtime.trainer_group) and the rollout group of M engines
 (vime_engine.runtime.rollout_group); weights move from the trainer's rank 0 to every engine through Ray's object
 store or a bucketed collective broadcast (`--weight-sync`, see vime_engine.weight_sync.strategies), and after
@@ -16,15 +19,17 @@ import contextlib
 import logging
 from pathlib import Path
 
+import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from vime_engine.config import EngineConfig
 from vime_engine.data.records import PromptRecord
+from vime_engine.rollout.cpu_shm import released_after_start
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
 from vime_engine.devices.accelerator import Accelerator
 from vime_engine.runtime.placement import check_nodes_see, device_nodes, nodes_of, with_placement_decided
-from vime_engine.runtime.rollout_group import FaultTolerance, GroupRound, PendingSamples, RolloutGroup
+from vime_engine.runtime.rollout_group import EngineHandle, FaultTolerance, GroupRound, PendingSamples, RolloutGroup
 from vime_engine.runtime.trainer_group import RankAddress, TrainerGroup, TrainerRank
 from vime_engine.sample import Sample
 from vime_engine.weight_sync.strategies import make_weight_sync
@@ -38,7 +43,12 @@ class ColocatedActor(TrainerRank):
 
     def __init__(self, cfg: EngineConfig, accel: Accelerator, address: RankAddress, kv_cache_bytes: int | None):
         super().__init__(cfg, accel, address)
-        self.rollout = RolloutWorker(cfg, kv_cache_bytes)
+        per_engine = cfg.rollout.rollout_num_gpus_per_engine
+        first = address.rank - address.rank % per_engine
+        starting = (released_after_start(list(range(first, first + per_engine)), address.rank - first)
+                    if per_engine > 1 and accel.kind == "cpu" else contextlib.nullcontext())
+        with starting:
+            self.rollout = RolloutWorker(cfg, kv_cache_bytes)
 
     def generate(self, records, rollout_id, first_group, plan) -> list[Sample]:
         return self.rollout.generate(records, rollout_id, first_group, plan)
@@ -57,6 +67,35 @@ class ColocatedActor(TrainerRank):
 
     def loaded_weight_version(self) -> int:
         return self.rollout.weight_version
+
+
+class _OnEveryShard:
+    """`engine.method.remote(...)` for an engine spread over ranks: the call goes to every rank (each shard must
+    run it, in the same order, or the engine's collectives wait forever); the first rank's answer is the
+    engine's (the shards sample the same tokens from the same gathered logits)."""
+
+    def __init__(self, ranks: list[ActorHandle[ColocatedActor]], method: str):
+        self.ranks, self.method = ranks, method
+
+    def remote(self, *args, **kwargs) -> ray.ObjectRef:
+        return [getattr(rank, self.method).remote(*args, **kwargs) for rank in self.ranks][0]
+
+
+class TensorParallelEngine:
+    """Engine i of a colocated run with `--rollout-num-gpus-per-engine E` > 1: one vLLM engine whose E tensor-
+    parallel shards live in trainer ranks iE … iE+E−1, driven through the calls of `RolloutEngine`."""
+
+    def __init__(self, ranks: list[ActorHandle[ColocatedActor]]):
+        self.ranks = ranks
+        self.generate, self.begin, self.advance, self.abort, self.loaded_weight_version = (
+            _OnEveryShard(ranks, name) for name in ("generate", "begin", "advance", "abort", "loaded_weight_version"))
+
+
+def colocated_engines(ranks: list[ActorHandle[ColocatedActor]], per_engine: int) -> list[EngineHandle]:
+    """The colocated run's engines: each rank's own, or one across each `per_engine` consecutive ranks."""
+    if per_engine == 1:
+        return list(ranks)
+    return [TensorParallelEngine(ranks[i:i + per_engine]) for i in range(0, len(ranks), per_engine)]
 
 
 def shared_run_files(cfg: EngineConfig) -> dict[str, str]:
@@ -78,12 +117,14 @@ class Workers:
         if len(nodes := device_nodes(accel)) > 1:  # a multi-node run: a shared file system, checked first
             check_nodes_see(nodes, shared_run_files(cfg))
         self.colocated = cfg.placement.colocate
+        self.rollout_devices_per_engine = cfg.rollout.rollout_num_gpus_per_engine
         self.trainer: TrainerGroup | None = None
         self.rollout: RolloutGroup | None = None
         try:
             if self.colocated:
                 self.trainer = TrainerGroup(cfg, accel, ColocatedActor, kv_cache_bytes)
-                self.rollout = RolloutGroup(self.trainer.actors())  # engine i inside rank i's actor
+                self.rollout = RolloutGroup(
+                    colocated_engines(self.trainer.actors(), cfg.rollout.rollout_num_gpus_per_engine))
             else:
                 self.trainer = TrainerGroup(cfg, accel)
                 self.rollout = RolloutGroup.launch(cfg, accel, kv_cache_bytes)
@@ -115,12 +156,16 @@ class Workers:
         """Which Ray node holds each trainer rank's bundle and each engine's (short node ids), for the log."""
         trainer = f"trainer group on node(s) {', '.join(nodes_of(self.trainer.placement))}"
         if self.colocated:
-            return f"{trainer}, each rank with its engine"
+            per_engine = self.rollout_devices_per_engine
+            return f"{trainer}, " + ("each rank with its engine" if per_engine == 1 else
+                                     f"each {per_engine} ranks with one tensor-parallel engine across them")
         return f"{trainer}; rollout engines on node(s) {', '.join(nodes_of(self.rollout.placement))}"
 
     def actors(self) -> list[ActorHandle]:
         """Every actor of the run (trainer ranks and engines), e.g. to wait until all have started."""
-        return list(dict.fromkeys([*self.trainer.actors(), *self.rollout.engines]))
+        if self.colocated:  # the engines live in the trainer's actors
+            return self.trainer.actors()
+        return [*self.trainer.actors(), *self.rollout.engines]
 
     def generate(
         self, records: list[PromptRecord], rollout_id: int, first_group: int, plan: GenerationPlan,
