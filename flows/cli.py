@@ -198,10 +198,14 @@ def train(
             screen.print(_summary(rollout_id, metrics), highlight=False, soft_wrap=True)
             view.rollout(rollout_id, metrics)
 
+        def say_stopped(message: str) -> None:  # a second Ctrl-C: the process exits right after
+            view.progress.stop()  # shows the cursor again
+            screen.print(message, style="yellow", markup=False, highlight=False, soft_wrap=True)
+
         try:
-            result = run_training(cfg, on_rollout=on_rollout)
-        except Preempted as exc:
-            screen.print(f"[yellow]{exc}[/yellow]")
+            result = run_training(cfg, on_rollout=on_rollout, say_stopped=say_stopped)
+        except Preempted as exc:  # SIGTERM or Ctrl-C (vime_engine/runtime/preemption.py)
+            screen.print(str(exc), style="yellow", markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except Exception as exc:  # noqa: BLE001  (reported below, on the terminal again)
             failure = exc

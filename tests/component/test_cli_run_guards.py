@@ -1,11 +1,17 @@
-"""Two guards of a run's checkpoints, shown by one real `vimeflow train` on the tiny model at `--lr 1e6` with a
+"""Guards of a run's checkpoints, shown by one real `vimeflow train` on the tiny model at `--lr 1e6` with a
 reward that varies within each group (issue 28's divergence): a second run started on its `--save` while it runs is
 refused at once, naming the holder (one writer per checkpoint directory); and the run stops at the rollout whose
-gradient norm is NaN, exit 2, with every checkpoint on disk finite and LATEST on the last of them."""
+gradient norm is NaN, exit 2, with every checkpoint on disk finite and LATEST on the last of them. A third run,
+resuming from what it saved, is stopped by Ctrl-C during its start-up: it says so, exits 130, writes nothing and
+leaves no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -13,9 +19,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from vime_engine.checkpoint.lock import LOCK_FILE
+from vime_engine.checkpoint.run_history import HISTORY_FILE
 from vime_engine.checkpoint.store import LATEST, find_latest, validate
 from vime_engine.checkpoint.tensor_files import read_tensors
 from vime_engine.train.torch_backend import MODEL_FILE, TRAINER_TENSORS_FILE
@@ -45,16 +53,20 @@ def _holder_pid(lock: Path) -> int | None:
         return None
 
 
+def _flags(tiny_model: Path, arithmetic_data: Path, save: Path) -> list[str]:
+    return ["--hf-checkpoint", str(tiny_model), "--prompt-data", str(arithmetic_data), "--input-key", "question",
+            "--label-key", "answer", "--apply-chat-template",
+            "--custom-rm-path", f"{REPO / 'tests/support/tiny_task.py'}:digit_share",  # varies within a group
+            "--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+            "--global-batch-size", "8", "--rollout-max-response-len", "8", "--vllm-kv-cache-gb", "0.25",
+            "--lr", "1e6", "--save-interval", "1", "--save", str(save)]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model, arithmetic_data) -> Runs:
     run_dir = tmp_path_factory.mktemp("diverging")
     save, out = run_dir / "ckpt", run_dir / "out"
-    flags = ["--hf-checkpoint", str(tiny_model), "--prompt-data", str(arithmetic_data), "--input-key", "question",
-             "--label-key", "answer", "--apply-chat-template",
-             "--custom-rm-path", f"{REPO / 'tests/support/tiny_task.py'}:digit_share",  # varies within a group
-             "--num-rollout", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-             "--global-batch-size", "8", "--rollout-max-response-len", "8", "--vllm-kv-cache-gb", "0.25",
-             "--lr", "1e6", "--save-interval", "1", "--save", str(save)]
+    flags = _flags(tiny_model, arithmetic_data, save)
     first = subprocess.Popen(_train(*flags, "--output-dir", str(out)), cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
@@ -104,3 +116,54 @@ def test_a_diverged_run_stops_naming_rollout_and_metric_and_every_checkpoint_sta
     assert (runs.save / LATEST).read_text() == "rollout_0000000"
     trained = [json.loads(line) for line in (runs.out / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout_id"] for m in trained] == [0]  # the run's logs and metrics are kept
+
+
+def _session(leader: int) -> list[psutil.Process]:
+    """The processes of the session `leader` started (the run and all it started: Ray's processes and actors
+    keep the driver's session; none calls setsid)."""
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(process.pid) == leader:
+                found.append(process)
+    return found
+
+
+def _names(processes: list[psutil.Process]) -> set[str]:
+    names = set()
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            names.add(process.name())
+    return names
+
+
+def test_ctrl_c_during_start_up_says_so_writes_nothing_and_leaves_no_process(runs, tmp_path, tiny_model,
+                                                                                arithmetic_data):
+    save = tmp_path / "ckpt"
+    shutil.copytree(runs.save, save)  # the diverged run's finite checkpoint: this run resumes from it
+    before = sorted(p.name for p in save.iterdir())
+    run = subprocess.Popen(_train(*_flags(tiny_model, arithmetic_data, save), "--output-dir", str(tmp_path / "out")),
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        # Ray is starting: the raylet has started its agents (which a Ctrl-C here used to leave running for 60 s)
+        while "ray::DashboardAgent" not in _names(_session(run.pid)):
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+            time.sleep(0.05)
+        os.killpg(run.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        stdout, stderr = run.communicate(timeout=120)
+        left = _names(_session(run.pid))
+    finally:
+        for process in _session(run.pid):  # only this run's, should the test fail
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+    assert run.returncode == 130, stdout + stderr
+    assert not left, left  # the agents included, at the moment the driver exits
+    assert ("Ctrl-C: stopping when the start-up step in progress ends (Ray's start, the workers' start, loading a "
+            "checkpoint); nothing is trained and no checkpoint is written; press Ctrl-C again") in stdout
+    assert "stopped by Ctrl-C during start-up; nothing trained, no checkpoint written" in stdout
+    assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stdout + stderr
+    assert sorted(p.name for p in save.iterdir()) == before  # nothing written, not even a staged save
+    assert (save / LATEST).read_text() == "rollout_0000000" and find_latest(save).rollout_id == 0
+    assert (save / HISTORY_FILE).stat().st_size > 0

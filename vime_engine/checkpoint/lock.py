@@ -18,6 +18,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from vime_engine.checkpoint.store import discard_staged
 from vime_engine.config.errors import ConfigError
 
 LOCK_FILE = ".vimeflow.lock"
@@ -60,6 +61,7 @@ def exclusive_writer(directory: str | Path, flag: str = "--save") -> Iterator[No
         os.pwrite(fd, holder_record(os.getpid(), socket.gethostname()), 0)
         yield
     finally:
+        discard_staged(root)  # a save this run did not finish (its workers are gone by now)
         if [p.name for p in root.iterdir()] == [LOCK_FILE]:  # still held: nobody else can be starting in it
             os.unlink(root / LOCK_FILE)
             if made:

@@ -103,6 +103,13 @@ def staging_dir(root: Path, rollout_id: int) -> Path:
     return staged
 
 
+def discard_staged(root: Path | str) -> None:
+    """Remove this process's unfinished saves under `root` (`staging_dir`'s directories): a run that ends while a
+    save is under way leaves no half-written directory beside its checkpoints."""
+    for staged in Path(root).glob(f".rollout_*.partial-{os.getpid()}"):
+        shutil.rmtree(staged, ignore_errors=True)
+
+
 def commit(root: Path, staged: Path, rollout_id: int, driver_state: dict[str, Any], keep_last: int | None,
            written: dict[str, FileEntry] | None = None) -> CheckpointRef:
     """Write driver state, fsync, write the manifest, move into place, then move LATEST.

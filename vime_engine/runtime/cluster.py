@@ -15,13 +15,18 @@ import ipaddress
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
+import psutil
+
 from vime_engine.config.errors import ConfigError
+from vime_engine.runtime.process_tree import end_processes
 
 log = logging.getLogger(__name__)
 SINGLE_NODE_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": single-node mode on any platform
@@ -106,30 +111,76 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None) -> Iter
         return
     if address:
         wait_for_head(address)
-        ray.init(address=address, log_to_driver=True)
-    else:
-        temp_dir = tempfile.mkdtemp(prefix="vimeflow-ray-", dir=os.environ.get("VIMEFLOW_RAY_TMP", "/tmp"))
-        ray.init(
-            address="local", _temp_dir=temp_dir, include_dashboard=False, log_to_driver=True,
-            num_cpus=num_cpus or max(4, os.cpu_count() or 1),
-            _system_config={
-                # No task table: the GCS keeps every task's events (up to 100k, ~500 B each) for the dashboard and
-                # `ray list tasks`, which a private cluster has no use for; a long run's GCS grew with it
-                # (bench/soak.py).
-                "task_events_report_interval_ms": 0,
-                # No idle workers started with the driver: our actors carry a runtime env, so none of them would
-                # be used. On 2 cores under load ray.init took 15.4 s with them and 11.2 s without (means of 5
-                # alternated runs); a whole tiny `vimeflow train` on a quiet machine did not change (27.9 vs 27.1 s).
-                "prestart_worker_first_driver": False,
-            },
-        )
-        node_ip = ray.util.get_node_ip_address()
-        if not ipaddress.ip_address(node_ip).is_loopback:
-            log.warning("the local Ray cluster listens on %s, not only on 127.0.0.1: Ray was imported before "
-                        "keep_local_ray_on_loopback(None) was called", node_ip)
+        with _signal_handlers_kept():
+            ray.init(address=address, log_to_driver=True)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+        return
+    temp_dir = tempfile.mkdtemp(prefix="vimeflow-ray-", dir=os.environ.get("VIMEFLOW_RAY_TMP", "/tmp"))
+    try:
+        with _signal_handlers_kept():
+            _start_private_cluster(temp_dir, num_cpus)
+        yield
+    finally:
+        started = cluster_processes(temp_dir)  # before the shutdown: through the raylet, its agents and workers
+        try:
+            ray.shutdown()
+        finally:  # a second Ctrl-C during the shutdown (runtime/preemption.py) still ends them
+            end_processes(started)
+            shutil.rmtree(temp_dir, ignore_errors=True)  # its session files (logs, sockets): nothing reads them
+
+
+def _start_private_cluster(temp_dir: str, num_cpus: int | None) -> None:
+    import ray
+
+    ray.init(
+        address="local", _temp_dir=temp_dir, include_dashboard=False, log_to_driver=True,
+        num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+        _system_config={
+            # No task table: the GCS keeps every task's events (up to 100k, ~500 B each) for the dashboard and
+            # `ray list tasks`, which a private cluster has no use for; a long run's GCS grew with it
+            # (bench/soak.py).
+            "task_events_report_interval_ms": 0,
+            # No idle workers started with the driver: our actors carry a runtime env, so none of them would
+            # be used. On 2 cores under load ray.init took 15.4 s with them and 11.2 s without (means of 5
+            # alternated runs); a whole tiny `vimeflow train` on a quiet machine did not change (27.9 vs 27.1 s).
+            "prestart_worker_first_driver": False,
+        },
+    )
+    node_ip = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node_ip).is_loopback:
+        log.warning("the local Ray cluster listens on %s, not only on 127.0.0.1: Ray was imported before "
+                    "keep_local_ray_on_loopback(None) was called", node_ip)
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """`ray.init` installs SIGTERM handlers that exit the process at once (the driver's, and the head node's,
+    which kills its processes first); afterwards the run's own handler (runtime/preemption.py) is put back, so
+    SIGTERM checkpoints and exits 75 as it did before Ray started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
     try:
         yield
     finally:
-        ray.shutdown()
-        if not address:  # the private cluster's session files (logs, sockets): nothing reads them after it
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def cluster_processes(temp_dir: str) -> list[psutil.Process]:
+    """The processes of the private cluster in `temp_dir`: this process's children that run it (their command
+    lines name the directory: the GCS, the raylet, the dashboard, the log monitor) and all that they started (the
+    raylet's agents and workers, the actors' own children)."""
+    roots = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if any(temp_dir in arg for arg in child.cmdline()):
+                roots.append(child)
+    found = list(roots)
+    for root in roots:
+        with contextlib.suppress(psutil.Error):
+            found += root.children(recursive=True)
+    return found

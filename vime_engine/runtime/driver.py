@@ -47,30 +47,39 @@ def local_cluster_cpus(cfg: EngineConfig) -> int:
     return max(4, os.cpu_count() or 1, cfg.trainer_world_size + rollout_devices)
 
 
-def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: RolloutCallback | None = None) -> RunResult:
-    """Run rollouts from the resume point (or 0) up to `end_rollout_id` (default `--num-rollout`)."""
+def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: RolloutCallback | None = None,
+          say_stopped: Callable[[str], None] | None = None) -> RunResult:
+    """Run rollouts from the resume point (or 0) up to `end_rollout_id` (default `--num-rollout`). `say_stopped`
+    shows why a second Ctrl-C ended the run at once (default: the log), just before the process exits."""
     end = cfg.rollout.num_rollout if end_rollout_id is None else end_rollout_id
-    check_inputs(cfg)  # model, checkpoints and plugins, before Ray starts
-    accel = resolve_accelerator(cfg.placement.device)
-    cfg = with_placement_decided(cfg, accel.kind)
     save = cfg.checkpoint.save
-    with (exclusive_writer(save) if save is not None else contextlib.nullcontext(),  # one run per --save
-          ThreadPoolExecutor(1, thread_name_prefix="preflight") as background):
-        datasets_checked = background.submit(check_datasets, cfg)  # every data row, while Ray starts
-        with ray_cluster(cfg.placement.ray_address, num_cpus=local_cluster_cpus(cfg)):
-            datasets_checked.result()  # a bad row is refused before any worker starts
-            return _rollout_loop(cfg, accel, end, on_rollout)
+    # SIGTERM and Ctrl-C stop the run at its next safe point, start-up included (runtime/preemption.py)
+    with PreemptionGuard(save, say_stopped) as preemption:
+        check_inputs(cfg)  # model, checkpoints and plugins, before Ray starts
+        preemption.stop_if_requested()
+        accel = resolve_accelerator(cfg.placement.device)
+        cfg = with_placement_decided(cfg, accel.kind)
+        with (exclusive_writer(save) if save is not None else contextlib.nullcontext(),  # one run per --save
+              ThreadPoolExecutor(1, thread_name_prefix="preflight") as background):
+            datasets_checked = background.submit(check_datasets, cfg)  # every data row, while Ray starts
+            with ray_cluster(cfg.placement.ray_address, num_cpus=local_cluster_cpus(cfg)):
+                datasets_checked.result()  # a bad row is refused before any worker starts
+                preemption.stop_if_requested()
+                return _rollout_loop(cfg, accel, end, on_rollout, preemption)
 
 
-def _rollout_loop(cfg: EngineConfig, accel: Accelerator, end: int, on_rollout: RolloutCallback | None) -> RunResult:
-    with PreemptionGuard() as preemption, Workers(cfg, accel) as workers:
+def _rollout_loop(cfg: EngineConfig, accel: Accelerator, end: int, on_rollout: RolloutCallback | None,
+                  preemption: PreemptionGuard) -> RunResult:
+    with Workers(cfg, accel) as workers:
         ctx = RunContext.open(cfg, workers)
         state, result = ctx.state, RunResult()
         workers.sync_weights(state.weight_version)  # the engine serves the trainer's (possibly resumed) weights
         if state.next_rollout_id == 0 and cfg.eval_datasets:
             ctx.log_eval(-1, run_evaluations(cfg, workers, rollout_id=-1))  # the baseline before training
+        preemption.stop_if_requested()  # the end of start-up
 
         for rollout_id in range(state.next_rollout_id, end):
+            preemption.phase = f"rollout {rollout_id}"
             with user_functions_in(f"rollout {rollout_id}"):  # a user function's error names the rollout
                 t0 = time.perf_counter()
                 collected = collect_groups(
@@ -112,7 +121,7 @@ def _rollout_loop(cfg: EngineConfig, accel: Accelerator, end: int, on_rollout: R
                 if ctx.save_due(rollout_id, end) or preemption.requested:
                     result.checkpoint = ctx.save(rollout_id)
                 if preemption.requested:
-                    raise Preempted(rollout_id, result.checkpoint)
+                    raise Preempted(rollout_id, result.checkpoint, preemption.requested)
 
         if cfg.rollout.num_rollout == 0 and cfg.eval_datasets:  # eval-only run on the loaded weights
             result.eval_metrics = run_evaluations(cfg, workers, rollout_id=state.next_rollout_id - 1)
