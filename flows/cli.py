@@ -177,6 +177,10 @@ def train(
         from flows.configs import config_file
 
         cfg = _engine_config(config or (None if ctx.args else config_file(DEFAULT_TRAIN_CONFIG)), list(ctx.args))
+        from vime_engine.preflight import OUTPUT_DIR_HOLDS, check_can_make_dir
+
+        # the engine log goes there before the preflight runs
+        check_can_make_dir(Path(cfg.logging.output_dir), "--output-dir", OUTPUT_DIR_HOLDS)
     except Exception as exc:  # noqa: BLE001  (one message; the traceback only with --verbose)
         raise _fail(exc, verbose) from None
     keep_local_ray_on_loopback(cfg.placement.ray_address)  # before the driver imports Ray

@@ -47,6 +47,9 @@ def preflight(cfg: EngineConfig) -> None:
     check_datasets(cfg)
 
 
+OUTPUT_DIR_HOLDS = "the run's logs and metrics"
+
+
 def check_inputs(cfg: EngineConfig) -> None:
     """Everything the tokenizer is not needed for: the packages, the model (its config.json, its weights' headers
     and its context against the length flags), checkpoints, plugins, and every dataset row's keys and types (fast:
@@ -69,6 +72,7 @@ def check_inputs(cfg: EngineConfig) -> None:
             _check_megatron_mapping(ref_load, "--ref-load")
     _check_plugins(cfg)
     _check_checkpoints(cfg)
+    check_can_make_dir(Path(cfg.logging.output_dir), "--output-dir", OUTPUT_DIR_HOLDS)
     for dataset in _datasets(cfg):
         _read_rows(dataset)
 
@@ -352,7 +356,7 @@ def _check_checkpoints(cfg: EngineConfig) -> None:
     c = cfg.checkpoint
     for flag, directory in (("--save", c.save), ("--save-hf", c.save_hf)):
         if directory is not None:
-            _check_can_make_dir(Path(directory), flag)
+            check_can_make_dir(Path(directory), flag)
     if c.load is not None and c.load != c.save:  # --load X --save X is vime's resume-if-there idiom
         load = Path(c.load)
         fix = "give the --save directory of an earlier run, or drop --load to start from --hf-checkpoint"
@@ -365,10 +369,10 @@ def _check_checkpoints(cfg: EngineConfig) -> None:
         _check_same_model(root, "--load" if c.load else "--save", cfg.model.hf_checkpoint)
 
 
-def _check_can_make_dir(directory: Path, flag: str) -> None:
+def check_can_make_dir(directory: Path, flag: str, holds: str = "the checkpoints") -> None:
     """`directory` is one, or can be made: no file stands at it or at a folder above it (the run would fail at its
-    first save, minutes in, with NotADirectoryError)."""
-    fix = "give a directory for the checkpoints"
+    first save, minutes in, with NotADirectoryError). `holds`: what the directory is for, in the fix."""
+    fix = f"give a directory for {holds}"
     if directory.exists() and not directory.is_dir():
         raise PreflightError(f"{flag} {directory}: a file, not a directory; {fix}")
     blocking = next((p for p in directory.parents if p.exists() and not p.is_dir()), None)

@@ -255,6 +255,9 @@ CASES = [
     Case("save-is-a-file", {"save": "{tmp}/out"}, {**DATA, "out": "x"}, ("--save", "a file, not a directory")),
     Case("save-under-a-file", {"save": "{tmp}/out/ckpt"}, {**DATA, "out": "x"},
          ("--save", "out/ckpt", "out is a file, so no directory can be made under it")),
+    Case("output-dir-under-a-file", {"output-dir": "{tmp}/out/run"}, {**DATA, "out": "x"},
+         ("--output-dir", "out/run", "out is a file, so no directory can be made under it",
+          "give a directory for the run's logs and metrics")),
     Case("save-hf-under-a-file", {"save-hf": "{tmp}/out/a/hf"}, {**DATA, "out": "x"},
          ("--save-hf", "out is a file", "no directory can be made")),
 ]

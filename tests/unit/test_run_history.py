@@ -8,7 +8,7 @@ import pytest
 
 from vime_engine.checkpoint import store as ckpt
 from vime_engine.checkpoint.run_history import (
-    HISTORY_FILE, MARK_KEY, HistoryError, HistoryMark, RunHistory, read_checked, saved_records,
+    HISTORY_FILE, MARK_KEY, HistoryError, HistoryMark, RunHistory, encode, read_checked, saved_records,
 )
 
 
@@ -101,6 +101,18 @@ def test_a_checkpoint_of_the_old_layout_resumes_with_its_list(tmp_path):
     mark = resumed.persist()
     assert [json.loads(line) for line in read_checked(tmp_path / HISTORY_FILE, mark).splitlines()] == old + [
         _record(3)]
+
+
+def test_a_fresh_run_makes_no_history_file_until_its_first_save(tmp_path):
+    # a run that fails after Ray started left an empty history.jsonl in --save (and so the lock file, too)
+    (tmp_path / HISTORY_FILE).write_bytes(encode(_record(7)))  # an earlier run's, which saved no checkpoint
+    history = RunHistory.start(tmp_path)
+    assert not (tmp_path / HISTORY_FILE).exists() and list(history) == []
+    history.append(_record(0))
+    ref = _save(tmp_path, history, 0)
+    assert [json.loads(line) for line in (tmp_path / HISTORY_FILE).read_text().splitlines()] == [_record(0)]
+    assert saved_records(ckpt.validate(ref.path).driver_state(), (tmp_path / HISTORY_FILE).read_bytes,
+                         "history") == [_record(0)]
 
 
 def test_without_a_checkpoint_directory_the_history_stays_in_memory():

@@ -121,11 +121,15 @@ class RunHistory:
     @classmethod
     def start(cls, root: Path | None, saved: list[dict[str, Any]] | bytes = b"") -> RunHistory:
         """The history of a run that continues from `saved` (the resumed checkpoint's records, or its checked
-        file prefix), its file at `root` made to hold exactly that (nothing for a fresh run)."""
+        file prefix), its file at `root` made to hold exactly that (none for a fresh run: what an earlier run that
+        saved nothing left there goes)."""
         data = saved if isinstance(saved, bytes) else b"".join(encode(r) for r in saved)
         if root is None:
             return cls(None, pending=parse(data))
         path = Path(root) / HISTORY_FILE
+        if not data:  # a fresh run: the first save makes the file (a run that fails before it leaves no empty one)
+            path.unlink(missing_ok=True)
+            return cls(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         if not (path.is_file() and _has_prefix(path, data)):
             write_atomic(path, data)
