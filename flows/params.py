@@ -11,10 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.configs import config_file
 from tasks.images import ImageRequirements
+from tasks.storage import root_problem
+from vime_engine.config import ConfigError
 
 DEMO_ENGINE_YAML = "demo-engine.yaml"
 
@@ -37,26 +39,65 @@ def demo_engine_values() -> dict[str, Any]:
     return {_norm(k): v for k, v in load_yaml(config_file(DEMO_ENGINE_YAML)).items()}
 
 
+# The forms of a source and a storage root, for the UI's form (the JSON schema); the validators below check the
+# same and say what is wrong in words.
+SOURCE_PATTERN = {"pattern": r"^(hf|file|s3|obs|builtin)://.+|^/.+"}
+ROOT_PATTERN = {"pattern": r"^(file|s3|obs)://.+"}
+
+
+class ParamsError(ConfigError):
+    """Pipeline parameters the schema refuses, each named by its field and value (exit 2)."""
+
+
+def checked_source(source: str, kind: str) -> str:
+    """`source` if the pipeline can stage it as a `kind` ("model" or "dataset"); else ValueError naming the schemes,
+    the missing bucket or the built-in names there are."""
+    from tasks.staging import parse_source
+
+    spec = parse_source(source, kind)
+    if spec.scheme in ("s3", "obs") and (problem := root_problem(source)):
+        raise ValueError(problem)
+    if spec.scheme == "builtin":
+        from vime_engine.assets import check_builtin
+
+        check_builtin(source, kind)
+    return source
+
+
 class ModelSource(BaseModel):
     model_config = ConfigDict(extra="forbid")
     source: str = Field(default_factory=lambda: demo_engine_values()["hf-checkpoint"],
                         description="hf://ORG/NAME[@REV], file:///dir, s3://…, obs://… or builtin://NAME",
-                        pattern=r"^(hf|file|s3|obs|builtin)://.+|^/.+")
+                        json_schema_extra=SOURCE_PATTERN)
+
+    @field_validator("source")
+    @classmethod
+    def _stageable(cls, source: str) -> str:
+        return checked_source(source, "model")
 
 
 class TrainData(BaseModel):
     model_config = ConfigDict(extra="forbid")
     source: str = Field(default_factory=lambda: demo_engine_values()["prompt-data"],
-                        description="prompt dataset (same schemes as the model)",
-                        pattern=r"^(hf|file|s3|obs|builtin)://.+|^/.+")
+                        description="prompt dataset (same schemes as the model)", json_schema_extra=SOURCE_PATTERN)
     file: str | None = Field(None, description="the .jsonl/.parquet inside the staged tree (default: its only one)")
+
+    @field_validator("source")
+    @classmethod
+    def _stageable(cls, source: str) -> str:
+        return checked_source(source, "dataset")
 
 
 class EvalDataset(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="metrics are eval/NAME and eval/NAME-pass@k")
-    source: str = Field(pattern=r"^(hf|file|s3|obs|builtin)://.+|^/.+")
+    source: str = Field(json_schema_extra=SOURCE_PATTERN)
     file: str | None = None
+
+    @field_validator("source")
+    @classmethod
+    def _stageable(cls, source: str) -> str:
+        return checked_source(source, "dataset")
 
 
 def eval_sets_of(values: dict[str, Any]) -> list[EvalDataset]:
@@ -126,12 +167,19 @@ class TrainingPlan(BaseModel):
 class StorageTarget(BaseModel):
     model_config = ConfigDict(extra="forbid")
     root: str | None = Field(None, description="file:///…, s3://bucket/prefix or obs://bucket/prefix; "
-                             "default: file://<working directory>/vimeflow-runs",
-                             pattern=r"^(file|s3|obs)://.+")
+                             "default: file://<working directory>/vimeflow-runs", json_schema_extra=ROOT_PATTERN)
     run_name: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$",
                                  description="default: derived from the model, data and engine config")
     publish_prefix: str = Field("published", pattern=r"^[A-Za-z0-9._/-]+$",
                                 description="where publish writes under the run's prefix")
+
+    @field_validator("root")
+    @classmethod
+    def _a_storage_root(cls, root: str | None) -> str | None:
+        if root is not None and (problem := root_problem(root) or (None if "://" in root else
+                                                                    "a URI: file:///DIR for a directory")):
+            raise ValueError(problem)
+        return root
 
     def resolved_root(self) -> str:
         return self.root or (Path.cwd() / "vimeflow-runs").resolve().as_uri()
@@ -176,9 +224,31 @@ def load_params(path: str | Path | None) -> PipelineParams:
 
     values = load_yaml(path)
     flags = {_norm(k): v for k, v in values.items()}
-    if "hf-checkpoint" in flags:
-        return params_from_engine_values(flags)
-    return PipelineParams.model_validate(values)
+    try:
+        if "hf-checkpoint" in flags:
+            try:
+                return params_from_engine_values(flags)
+            except ValidationError as exc:  # named by the engine config's key that filled the section
+                raise ParamsError(f"{path}: {refusal(exc, ENGINE_KEYS.get(exc.title))}") from None
+        return PipelineParams.model_validate(values)
+    except ValidationError as exc:
+        raise ParamsError(f"{path}: {refusal(exc)}") from None
+
+
+# The key of an engine config (`params_from_engine_values`) that fills each section with a single source.
+ENGINE_KEYS = {"ModelSource": "hf-checkpoint", "TrainData": "prompt-data", "EvalDataset": "eval-prompt-data"}
+
+
+def refusal(exc: ValidationError, key: str | None = None) -> str:
+    """pydantic's errors as one line: each field (or `key`), its value (when it is one) and what is wrong with it."""
+    parts = []
+    for error in exc.errors():
+        field = key or ".".join(str(part) for part in error["loc"])
+        value = error.get("input")
+        shown = f" {value!r}" if isinstance(value, (str, int, float, bool)) else ""
+        reason = error["msg"].removeprefix("Value error, ").removeprefix(f"{value}: ")  # not the value twice
+        parts.append(f"{field}{shown}: {reason}")
+    return "; ".join(parts)
 
 
 def params_from_engine_values(values: dict[str, Any]) -> PipelineParams:

@@ -177,16 +177,14 @@ def _materialize_local(spec: SourceSpec, kind: str, work: Path) -> tuple[Path, s
             return tree, path.stem
         raise NotFoundError("stage", path.as_uri() if path.is_absolute() else str(path), code="NoSuchFile",
                             message="no such file or directory on this machine")
+    from vime_engine.assets import BUILTIN, check_builtin
+
+    check_builtin(BUILTIN + spec.location, kind)  # a ConfigError (exit 2) listing the built-in names
     if kind == "model":
         from vime_engine.assets import resolve_model
-        from vime_engine.models.builtin import BUILTIN_MODELS
-        if spec.location not in BUILTIN_MODELS:
-            raise ValueError(f"unknown built-in model {spec.location!r}; known: {', '.join(BUILTIN_MODELS)}")
         # From the machine's cache: converting SmolLM2's GGUF takes ~20 s, once per machine instead of per stage.
         return Path(resolve_model(f"builtin://{spec.location}")), spec.location
-    from vime_engine.data.synthetic import BUILTIN_DATASETS, materialize_builtin_dataset
-    if spec.location not in BUILTIN_DATASETS:
-        raise ValueError(f"unknown built-in dataset {spec.location!r}; known: {', '.join(BUILTIN_DATASETS)}")
+    from vime_engine.data.synthetic import materialize_builtin_dataset
     tree = work / "tree"
     materialize_builtin_dataset(spec.location, tree)
     return tree, spec.location

@@ -28,6 +28,16 @@ def _require_known(ref: str, known: Iterable[str], kind: str) -> str:
     return name
 
 
+def check_builtin(ref: str, kind: str) -> None:
+    """That `ref` (builtin://NAME) names a built-in `kind` ("model" or "dataset"), without building it; else
+    UnknownBuiltin listing the names there are."""
+    if kind == "model":
+        from vime_engine.models.builtin import BUILTIN_MODELS as known
+    else:
+        from vime_engine.data.synthetic import BUILTIN_DATASETS as known
+    _require_known(ref, known, kind)
+
+
 def resolve_model(ref: str) -> str:
     """A local HF directory for `ref`: built-in models are materialized under the cache once."""
     if not ref.startswith(BUILTIN):

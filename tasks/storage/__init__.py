@@ -18,9 +18,28 @@ from tasks.storage.errors import (
 from tasks.storage.local import LocalStorage
 
 __all__ = [
-    "IntegrityError", "LocalStorage", "NotFoundError", "ObjectInfo", "PermanentStorageError", "Storage",
-    "StorageError", "TransientStorageError", "TreeUpload", "dir_prefix", "join_key", "open_storage",
+    "SUPPORTED_ROOTS", "IntegrityError", "LocalStorage", "NotFoundError", "ObjectInfo", "PermanentStorageError",
+    "Storage", "StorageError", "TransientStorageError", "TreeUpload", "dir_prefix", "join_key", "open_storage",
+    "root_problem",
 ]
+
+
+SUPPORTED_ROOTS = "file:///DIR, s3://BUCKET[/PREFIX] or obs://BUCKET[/PREFIX]"
+
+
+def root_problem(root_uri: str) -> str | None:
+    """Why `root_uri` is not a storage root, ending with the supported forms (None: it is one). The pipeline's
+    parameters and `open_storage` refuse the same URIs with the same words."""
+    parsed = urlparse(root_uri)
+    scheme = parsed.scheme.lower()
+    if scheme == "file" or (scheme == "" and root_uri.startswith("/")):
+        problem = None if (parsed.path if scheme else root_uri).startswith("/") else "not an absolute directory"
+    elif scheme in ("s3", "obs"):
+        problem = ("no bucket" if not parsed.netloc else
+                   "credentials in the URI (give them in the environment)" if "@" in parsed.netloc else None)
+    else:
+        problem = f"unsupported scheme {scheme}://" if scheme else "no scheme"
+    return None if problem is None else f"{problem}; supported: {SUPPORTED_ROOTS}"
 
 
 def open_storage(root_uri: str, **options: Any) -> Storage:
@@ -31,16 +50,14 @@ def open_storage(root_uri: str, **options: Any) -> Storage:
     """
     parsed = urlparse(root_uri)
     scheme = parsed.scheme.lower()
-    if scheme == "file" or (scheme == "" and root_uri.startswith("/")):
+    if problem := root_problem(root_uri):
+        where = f"{scheme}://…" if scheme in ("s3", "obs") else root_uri  # an s3 URI may hold credentials
+        code = "InvalidURI" if scheme in ("s3", "obs", "file", "") else "UnsupportedScheme"
+        raise PermanentStorageError("open", where, code=code, message=problem)
+    if scheme in ("file", ""):
         return LocalStorage(Path(parsed.path if scheme else root_uri), **options)
-    if scheme in ("s3", "obs"):
-        if not parsed.netloc or "@" in parsed.netloc:
-            raise PermanentStorageError("open", f"{scheme}://…", code="InvalidURI",
-                                        message="expected scheme://bucket/prefix (no credentials in URIs)")
-        if scheme == "s3":
-            from tasks.storage.s3 import S3Storage
-            return S3Storage(parsed.netloc, parsed.path.strip("/"), **options)
-        from tasks.storage.obs import ObsStorage
-        return ObsStorage(parsed.netloc, parsed.path.strip("/"), **options)
-    raise PermanentStorageError("open", root_uri, code="UnsupportedScheme",
-                                message="supported: file://, s3://, obs://")
+    if scheme == "s3":
+        from tasks.storage.s3 import S3Storage
+        return S3Storage(parsed.netloc, parsed.path.strip("/"), **options)
+    from tasks.storage.obs import ObsStorage
+    return ObsStorage(parsed.netloc, parsed.path.strip("/"), **options)

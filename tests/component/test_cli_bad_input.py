@@ -35,6 +35,10 @@ CASES = [
      ["--kl-coef 0.1", "--use-kl-loss --kl-loss-coef 0.1"]),
     ("unknown-builtin-model", ["--hf-checkpoint", "builtin://no-such-model", "--output-dir", "{tmp}/out"], None,
      ["--hf-checkpoint builtin://no-such-model", "no such built-in model", "builtin://tiny-qwen3"]),
+    # the command writes its engine log under --output-dir before the engine's preflight runs
+    ("output-dir-under-a-file", ["--output-dir", "{tmp}/data.jsonl/out"], None,
+     ["--output-dir", "data.jsonl is a file, so no directory can be made under it",
+      "give a directory for the run's logs and metrics"]),
 ]
 
 
@@ -63,12 +67,20 @@ def test_verbose_adds_the_traceback(tmp_path, tiny_model, data):
     assert run.stderr.rstrip().splitlines()[-1].startswith("error:")
 
 
-def test_run_names_the_yaml_line_of_a_tab(tmp_path):
-    (tmp_path / "pipeline.yaml").write_text("training:\n\tnum_rollouts: 2\n")
+@pytest.mark.parametrize(("text", "named"), [
+    ("training:\n\tnum_rollouts: 2\n", ["pipeline.yaml, line 2", "never tabs"]),
+    # refused with the parameters, before Prefect starts (a staging task raised ValueError: exit 1)
+    ("model:\n  source: builtin://no-such-model\n",
+     ["pipeline.yaml: model.source 'builtin://no-such-model': no such built-in model", "builtin://tiny-qwen3"]),
+], ids=["tab", "unknown-builtin-model"])
+def test_run_refuses_bad_parameters_with_one_message(tmp_path, text, named):
+    (tmp_path / "pipeline.yaml").write_text(text)
     run = _vimeflow("run", "--config", str(tmp_path / "pipeline.yaml"))
-    assert run.returncode == 2
-    assert "Traceback" not in run.stderr
-    assert "pipeline.yaml, line 2" in run.stderr and "never tabs" in run.stderr
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr and "validation error" not in run.stderr
+    assert sum(line.startswith("error:") for line in run.stderr.splitlines()) == 1, run.stderr
+    for part in named:
+        assert part in run.stderr, run.stderr
 
 
 def test_train_refuses_truncated_weights_before_ray_starts(tmp_path, tiny_model, data):

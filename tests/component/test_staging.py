@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from vime_engine.checkpoint.manifest import MANIFEST_NAME
+from vime_engine.config import ConfigError
 from tasks.staging import fetch, parse_source, stage_dataset, stage_model
 from tasks.storage import NotFoundError, PermanentStorageError, open_storage
 from tests.support.prefect_server import task_attempts
@@ -149,7 +150,8 @@ def test_builtin_dataset_and_model(tmp_path):
     assert stage_model("builtin://tiny-qwen3", root).revision == model.revision  # deterministic build
     local = fetch(model.uri, tmp_path / "m")
     assert (local / "config.json").is_file() and (local / MANIFEST_NAME).is_file()
-    with pytest.raises(ValueError, match="unknown built-in"):
+    with pytest.raises(ConfigError, match="builtin://nope: no such built-in dataset; the built-in datasets are "
+                                          "builtin://arithmetic"):  # exit 2, the input's fault
         stage_dataset("builtin://nope", root)
 
 
