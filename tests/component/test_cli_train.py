@@ -41,6 +41,7 @@ def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path,
         "--eval-input-key", "prompt", "--eval-label-key", "label", "--eval-rm-type", "math",
         "--max-tokens-per-gpu", "512", "--vllm-kv-cache-gb", "0.25", "--output-dir", str(out),
         "--actor-num-gpus-per-node", "2",  # two ranks (one Ray CPU each), the script's engine of 2 across them
+        "--train-memory-margin-bytes", "0",  # on CPU nothing is handed back: a margin is refused, naming why
         "--train-backend", "megatron", "--tensor-model-parallel-size", "2",  # the script's Megatron part
         "--save-hf", str(tmp_path / "hf-trained"),
         *TINY_QWEN3_MODEL_FLAGS,  # the script's scripts/models/qwen3-4B.sh part, for the tiny model

@@ -96,6 +96,12 @@ def test_two_colocated_ranks_each_hold_an_engine_that_samples_like_one_and_loads
         fresh = workers.generate(RECORDS, 1, 0, plan).result()
         assert {s.weight_version for s in fresh} == {1}
         assert _max_gap(workers, fresh) <= 1e-5  # groups of both engines: each rank loaded the new weights
+        # Rank 0 and its engine took turns at the memory in vime's order (on CPU both stay resident, and the calls
+        # stop at that seam): released for generation, engine asleep to train, its weights woken for the sync and
+        # its KV cache after it, for the next generation.
+        assert ray.get(workers.trainer.actors()[0].memory_calls.remote()) == [
+            "trainer.release", "engine.sleep", "trainer.restore", "engine.wake_up(weights)",
+            "trainer.release", "engine.wake_up(kv_cache)", "engine.sleep", "trainer.restore"]
 
 
 @pytest.mark.parametrize("backend", ["torch", "fsdp"])

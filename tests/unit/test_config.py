@@ -20,7 +20,7 @@ QWEN3_4B_SCRIPT = """
 --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.00 --kl-loss-type low_var_kl --entropy-coef 0.00
 --eps-clip 0.2 --eps-clip-high 0.28
 --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
---rollout-num-gpus-per-engine 2 --vllm-gpu-memory-utilization 0.7
+--rollout-num-gpus-per-engine 2 --vllm-gpu-memory-utilization 0.7 --train-memory-margin-bytes 1073741824
 --actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate
 """.split()
 QWEN3_DISAGGREGATED = [flag for flag in QWEN3_4B_SCRIPT if flag != "--colocate"]

@@ -261,6 +261,10 @@ class PlacementConfig(_Section):
         "object_store", description="disaggregated weight sync: Ray's object store or a bucketed collective broadcast"
     )
     weight_sync_bucket_mb: float = non_math(64, gt=0, description="bucket size of the broadcast weight sync (MiB)")
+    train_memory_margin_bytes: int = non_math(
+        0, ge=0, description="colocated on an accelerator: device memory that must stay free once the trainer has "
+        "taken the memory back from the engine (vime's TorchMemorySaver margin); 0 on CPU"
+    )
 
 
 class CheckpointConfig(_Section):

@@ -84,6 +84,9 @@ class EngineSettings:
     # "external_launcher": this process is one tensor-parallel shard of an engine spread over the trainer's ranks
     # (colocated), each shard running the same scheduler on the same requests; None: vLLM's own executor.
     distributed_executor_backend: str | None = None
+    # Colocated: the engine hands its memory to the trainer between rollouts (vLLM's sleep mode), where the
+    # platform has it; on CPU vLLM has none and the engine stays resident.
+    enable_sleep_mode: bool = False
     tuning: DeviceTuning = field(default_factory=DeviceTuning)
 
 
@@ -132,6 +135,8 @@ class VLLMEngine:
             extra["kv_cache_memory_bytes"] = settings.kv_cache_bytes
         if settings.distributed_executor_backend is not None:
             extra["distributed_executor_backend"] = settings.distributed_executor_backend
+        if settings.enable_sleep_mode and current_platform.is_sleep_mode_available():
+            extra["enable_sleep_mode"] = True
         max_model_len = settings.max_model_len or _model_max_positions(settings.model_path)
         self.max_model_len = max_model_len  # prompt + response tokens a request may hold
         self.engine_kwargs = device_engine_kwargs(current_platform.device_type, settings.tuning, max_model_len)

@@ -66,6 +66,7 @@ def engine_settings(cfg: EngineConfig, kv_cache_bytes: int | None) -> EngineSett
         seed=cfg.data.rollout_seed, kv_cache_bytes=kv_cache_bytes,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization, tensor_parallel_size=r.rollout_num_gpus_per_engine,
         distributed_executor_backend="external_launcher" if spread_over_ranks else None,
+        enable_sleep_mode=cfg.placement.colocate is True,
         tuning=DeviceTuning(
             enforce_eager=given(r.vllm_enforce_eager), enable_prefix_caching=given(r.vllm_enable_prefix_caching),
             enable_chunked_prefill=given(r.vllm_enable_chunked_prefill),

@@ -28,6 +28,7 @@ from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.cpu_shm import released_after_start
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
 from vime_engine.devices.accelerator import Accelerator
+from vime_engine.runtime.memory_turns import check_memory_margin, memory_turns
 from vime_engine.runtime.placement import check_nodes_see, device_nodes, nodes_of, with_placement_decided
 from vime_engine.runtime.rollout_group import EngineHandle, FaultTolerance, GroupRound, PendingSamples, RolloutGroup
 from vime_engine.runtime.trainer_group import RankAddress, TrainerGroup, TrainerRank
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 
 class ColocatedActor(TrainerRank):
     """A trainer rank and a rollout engine in one process: the weight sync is a walk over the trainer's full
-    tensors (gathered over the model-parallel ranks, so every rank of the group syncs at once)."""
+    tensors (gathered over the model-parallel ranks, so every rank of the group syncs at once), and the two take
+    turns at the device's memory (vime_engine.runtime.memory_turns)."""
 
     def __init__(self, cfg: EngineConfig, accel: Accelerator, address: RankAddress, kv_cache_bytes: int | None):
         super().__init__(cfg, accel, address)
@@ -49,11 +51,37 @@ class ColocatedActor(TrainerRank):
                     if per_engine > 1 and accel.kind == "cpu" else contextlib.nullcontext())
         with starting:
             self.rollout = RolloutWorker(cfg, kv_cache_bytes)
+        self.memory = memory_turns(accel.kind, self.rollout.engine.llm, self.backend, accel.torch_device,
+                                   cfg.placement.train_memory_margin_bytes)
 
+    # The trainer's side: the device's memory is the trainer's first.
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        self.memory.for_training()
+        return super().train(samples)
+
+    def log_probs(self, samples: list[Sample]):
+        self.memory.for_training()
+        return super().log_probs(samples)
+
+    def save_state(self, directory: str):
+        self.memory.for_training()
+        return super().save_state(directory)
+
+    def load_state(self, directory: str, expected) -> None:
+        self.memory.for_training()
+        super().load_state(directory, expected)
+
+    def save_hf(self, directory: str) -> str:
+        self.memory.for_training()
+        return super().save_hf(directory)
+
+    # The engine's side.
     def generate(self, records, rollout_id, first_group, plan) -> list[Sample]:
+        self.memory.for_generation()
         return self.rollout.generate(records, rollout_id, first_group, plan)
 
     def begin(self, records, resumed, rollout_id, first_group, plan) -> None:
+        self.memory.for_generation()
         self.rollout.begin(records, resumed, rollout_id, first_group, plan)
 
     def advance(self) -> list[list[Sample]]:
@@ -63,10 +91,15 @@ class ColocatedActor(TrainerRank):
         return self.rollout.abort()
 
     def sync_weights(self, version: int) -> float:
+        self.memory.for_sync()
         return self.rollout.update_weights(self.backend.named_weights(), version)
 
     def loaded_weight_version(self) -> int:
         return self.rollout.weight_version
+
+    def memory_calls(self) -> list[str]:
+        """The hand-overs of the device's memory so far, in order (MemoryTurns.calls)."""
+        return list(self.memory.calls)
 
 
 class _OnEveryShard:
@@ -113,6 +146,7 @@ class Workers:
 
     def __init__(self, cfg: EngineConfig, accel: Accelerator):
         cfg = with_placement_decided(cfg, accel.kind)
+        check_memory_margin(cfg.placement.train_memory_margin_bytes, cfg.placement.colocate is True, accel.kind)
         kv_cache_bytes = int(cfg.rollout.vllm_kv_cache_gb * 2**30) if accel.kind == "cpu" else None
         if len(nodes := device_nodes(accel)) > 1:  # a multi-node run: a shared file system, checked first
             check_nodes_see(nodes, shared_run_files(cfg))
