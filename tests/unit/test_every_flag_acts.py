@@ -1,8 +1,8 @@
 """Every flag acts: each EngineConfig field (and Megatron pass-through flag) is read by code outside the config
-package (vime_engine/config/) and its rules (config_checks.py), or is refused when set, or only feeds a derived value
+package (vime_engine/config/, its rules in checks.py included), or is refused when set, or only feeds a derived value
 that is read. A field nobody reads is a flag that tells a user their setting took effect when it did not.
 
-Reads are found in the source of vime_engine/, tasks/ and flows/ (the package and config_checks.py excluded):
+Reads are found in the source of vime_engine/, tasks/ and flows/ (the config package excluded):
 `<section>.<field>` (`cfg.train.lr`), `<alias>.<field>` where `<alias> = <something>.<section>` (`t = cfg.train;
 t.lr`, `e, r = cfg.eval, cfg.rollout`), the field's name quoted (flat dicts, `flags.get("…")`), and for Megatron flags
 the quoted flag name.
@@ -36,8 +36,7 @@ REFUSED.update({
 def _source() -> str:
     files = [p for d in ("vime_engine", "tasks", "flows") for p in (REPO / d).rglob("*.py")]
     config = REPO / "vime_engine" / "config"
-    checks = REPO / "vime_engine" / "config_checks.py"
-    return "\n".join(p.read_text() for p in files if config not in p.parents and p != checks)
+    return "\n".join(p.read_text() for p in files if config not in p.parents)
 
 
 SOURCE = _source()
@@ -76,4 +75,4 @@ def test_every_engine_field_is_read_outside_config(section, field):
 
 @pytest.mark.parametrize("flag", sorted(MEGATRON_FLAGS))
 def test_every_megatron_flag_reaches_the_megatron_backend(flag):
-    assert f'"{flag}"' in SOURCE, f"--{flag} is accepted but neither config_checks.py nor the backend read it"
+    assert f'"{flag}"' in SOURCE, f"--{flag} is accepted but neither the config's checks nor the backend read it"
