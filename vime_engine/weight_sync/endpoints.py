@@ -20,6 +20,7 @@ from datetime import timedelta
 
 import torch
 
+from vime_engine.rollout.weight_reload import reload_weights
 from vime_engine.weight_sync.buckets import Bucket, TensorSpec, flatten, plan_buckets, unflatten
 from vime_engine.weight_sync.group import SENDER_RANK, GroupAddress, broadcast_, local_host, make_backend, open_store
 
@@ -122,7 +123,7 @@ def load_into_engine(engine, named_tensors: Iterator[tuple[str, torch.Tensor]], 
     start = time.perf_counter()
     llm = engine.llm
     with paused_generation(llm):
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        reload_weights(llm, named_tensors)
         leftover = [name for name, _ in named_tensors]
         llm.reset_prefix_cache()  # cached KV of old weights must not serve new requests
     if leftover:
