@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from vime_engine.rollout.weight_reload import reload_weights
 from vime_engine.sample import SampleStatus
+from vime_engine.weight_sync.vllm_reload import reload_weights
 
 
 @dataclass(frozen=True)

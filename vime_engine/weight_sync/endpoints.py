@@ -20,9 +20,9 @@ from datetime import timedelta
 
 import torch
 
-from vime_engine.rollout.weight_reload import reload_weights
 from vime_engine.weight_sync.buckets import Bucket, TensorSpec, flatten, plan_buckets, unflatten
 from vime_engine.weight_sync.group import SENDER_RANK, GroupAddress, broadcast_, local_host, make_backend, open_store
+from vime_engine.weight_sync.vllm_reload import reload_weights
 
 FIRST_RECEIVER_RANK = 1
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # a receive may queue behind a whole rollout in async mode
