@@ -28,7 +28,7 @@ from vime_engine.data.datasets import DatasetError, NumberedRecord, read_prompt_
 from vime_engine.data.prompt_length import FLAG as MAX_PROMPT_FLAG
 from vime_engine.data.prompt_length import load_tokenizer, prompt_lengths, short_enough
 from vime_engine.rewards.labels import label_problem
-from vime_engine.train.megatron_model_flags import ModelFlagMismatch, check_model_flags
+from vime_engine.train.megatron_model_flags import HFView, ModelFlagMismatch, check_model_flags
 
 log = logging.getLogger(__name__)
 MEGATRON_MODULES = ("megatron.core",)  # the HF mapping is our own (train/megatron_hf.py)
@@ -59,6 +59,7 @@ def check_inputs(cfg: EngineConfig) -> None:
     model_config = check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
     config_file = Path(cfg.model.hf_checkpoint) / "config.json"
     _check_model_flags(cfg.megatron, model_config, config_file)
+    _check_moe_aux_loss(cfg.algorithm.moe_aux_loss_coeff, model_config, config_file)
     _check_context_limits(cfg, model_config, config_file)
     ref_load = cfg.checkpoint.ref_load
     torch_dist_ref = ref_load is not None and _is_converted_checkpoint(ref_load)
@@ -213,6 +214,13 @@ def _check_model_flags(flags: dict[str, Any], model_config: dict[str, Any], conf
         check_model_flags(flags, model_config, str(config_file))
     except ModelFlagMismatch as exc:
         raise PreflightError(str(exc)) from None
+
+
+def _check_moe_aux_loss(coefficient: float, model_config: dict[str, Any], config_file: Path) -> None:
+    """A load-balancing loss weight needs a model with routed experts."""
+    if coefficient > 0 and not HFView(model_config).num_experts:
+        raise PreflightError(f"--moe-aux-loss-coeff {coefficient}: the model has no experts to balance (no "
+                             f"num_experts in {config_file}); drop the flag or give a mixture-of-experts model")
 
 
 def check_model_dir(path: str, flag: str) -> dict[str, Any]:

@@ -69,7 +69,7 @@ def test_shared_rows_give_each_samples_log_probs_entropy_and_gradients(backend):
 
     def run(rows):
         backend.model.zero_grad(set_to_none=True)
-        log_probs, entropy = backend._forward(backend.model, rows, with_entropy=True)
+        log_probs, entropy, _ = backend._forward(backend.model, rows, with_entropy=True)
         ((log_probs * weights).sum() + entropy.sum()).backward()
         return log_probs.detach(), entropy.detach(), {n: p.grad.clone() for n, p in backend.model.named_parameters()}
 

@@ -46,6 +46,11 @@ MEGATRON_FLAGS: dict[str, type] = {
     "norm-epsilon": float,
     "qk-layernorm": bool,
     "untie-embeddings-and-output-weights": bool,
+    "num-experts": int,
+    "moe-router-topk": int,
+    "moe-ffn-hidden-size": int,
+    "moe-router-score-function": str,
+    "moe-router-load-balancing-type": str,
 }
 PARALLEL_FLAGS = [f for f in MEGATRON_FLAGS if f.endswith("parallel-size")]
 

@@ -178,6 +178,10 @@ class AlgorithmConfig(_Section):
     kl_loss_type: KLType = Field("low_var_kl", description="estimator of the KL loss: k1, k2, k3 or low_var_kl")
     kl_coef: float = Field(0.0, description="KL penalty folded into the reward (estimators with uses_reward_kl)")
     entropy_coef: float = Field(0.0, description="weight of the entropy bonus in the loss")
+    moe_aux_loss_coeff: float = Field(
+        0.0, ge=0, description="weight of a mixture-of-experts model's router load-balancing loss (Megatron's "
+        "aux_loss, HF's aux_loss on the torch backends); 0: not computed"
+    )
     eps_clip: float = Field(
         0.2, ge=0, description="PPO clip range below the ratio 1 (and above it, without --eps-clip-high)"
     )

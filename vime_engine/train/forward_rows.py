@@ -28,6 +28,7 @@ class ForwardRows:
     # [rows, length] (1 = token) when no row shares its prompt: the model's own causal mask, on its fast path;
     # otherwise [rows, 1, length, length], True where the query (dim 2) attends to the key (dim 3).
     attention_mask: Tensor
+    tokens: Tensor  # [rows, length]: 1 at a token, 0 at padding
     # One entry per response token, the samples in row order: its row, the position whose logit predicts it, and
     # its own position (where its token id is).
     token_rows: Tensor
@@ -70,7 +71,8 @@ def build_forward_rows(rows: list[list[Sample]], device: torch.device) -> Forwar
         attention_mask = _shared_prompt_mask(segment_ids)
     as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
     return ForwardRows(input_ids.to(device), position_ids.to(device), attention_mask.to(device),
-                       as_tensor(token_rows), as_tensor(predictors), as_tensor(targets))
+                       (segment_ids != PADDING).long().to(device), as_tensor(token_rows), as_tensor(predictors),
+                       as_tensor(targets))
 
 
 def _shared_prompt_mask(segment_ids: Tensor) -> Tensor:

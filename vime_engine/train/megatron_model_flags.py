@@ -43,6 +43,12 @@ class HFView:
         return self.get("head_dim") or self.config["hidden_size"] // self.heads
 
     @property
+    def num_experts(self) -> int | None:
+        """Routed experts of each MoE layer (config.json's num_experts; transformers 5 writes num_local_experts);
+        None for a dense model."""
+        return self.get("num_experts") or self.get("num_local_experts")
+
+    @property
     def rope(self) -> dict[str, Any]:
         return dict(self.get("rope_parameters") or self.get("rope_scaling") or {})
 
@@ -92,18 +98,27 @@ RULES: dict[str, Rule] = {
     "rotary-base": Rule("rope_theta", lambda m: m.rope_theta),
     "rotary-scaling-factor": Rule("rope_scaling.factor", lambda m: m.rope.get("factor")),
     "swiglu": Rule("hidden_act (silu: a gated SiLU MLP)", lambda m: m.get("hidden_act", "silu") in ("silu", "swish")),
-    "qk-layernorm": Rule("model_type (Qwen3's per-head q/k RMSNorm)", lambda m: m.get("model_type") == "qwen3"),
+    "qk-layernorm": Rule("model_type (Qwen3's and Qwen3-MoE's per-head q/k RMSNorm)",
+                         lambda m: m.get("model_type") in ("qwen3", "qwen3_moe")),
     "add-qkv-bias": Rule("q/k/v projection biases (Qwen2, attention_bias)", lambda m: m.qkv_bias),
     "disable-bias-linear": Rule("attention_bias / mlp_bias", lambda m: not m.other_linear_bias),
     "untie-embeddings-and-output-weights": Rule("tie_word_embeddings", lambda m: not m.get("tie_word_embeddings", False)),
     "use-rope-scaling": Rule("rope_scaling", lambda m: m.rope_type != "default"),
     "use-rotary-position-embeddings": Rule("rotary position embeddings (every mapped family)", lambda m: True),
+    # Mixture of experts (vime's scripts/models/qwen3-30B-A3B.sh); a dense model has none of these fields.
+    "num-experts": Rule("num_experts", lambda m: m.num_experts),
+    "moe-router-topk": Rule("num_experts_per_tok", lambda m: m.get("num_experts_per_tok")),
+    "moe-ffn-hidden-size": Rule("moe_intermediate_size", lambda m: m.get("moe_intermediate_size")),
 }
 # Flags that choose among architectures: the value the engine builds, and why another is refused.
 CHOICES: dict[str, tuple[str, str]] = {
     "normalization": ("RMSNorm", "the engine builds RMSNorm models only (Llama, Qwen2, Qwen3)"),
     "position-embedding-type": ("rope", "the engine builds rotary position embeddings only (learned absolute "
                                         "positions are not built)"),
+    "moe-router-score-function": ("softmax", "the engine's mixture-of-experts models (Qwen3-MoE) score experts by "
+                                             "a softmax over the router's logits"),
+    "moe-router-load-balancing-type": ("aux_loss", "the torch backends add the Switch Transformer loss (aux_loss) "
+                                                   "of each micro-batch; --moe-aux-loss-coeff 0 turns it off"),
 }
 MODEL_FLAGS = (*RULES, *CHOICES, "group-query-attention", "num-query-groups")
 

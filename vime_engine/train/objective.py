@@ -48,6 +48,9 @@ class MicroBatchOutputs:
     log_probs: Tensor
     entropy: Tensor | None = None  # [N] of the sampling distribution (after temperature)
     values: Tensor | None = None
+    # The router's load-balancing loss over the micro-batch's tokens (a mixture-of-experts model, with
+    # --moe-aux-loss-coeff > 0; otherwise not computed)
+    moe_aux_loss: Tensor | None = None
 
 
 def micro_batch_loss(
@@ -57,7 +60,12 @@ def micro_batch_loss(
     global_num_tokens: int,
     global_num_samples: int,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Loss of one micro-batch (its share of the global batch) and its share of each metric."""
+    """Loss of one micro-batch (its share of the global batch) and its share of each metric.
+
+    The router's load-balancing loss is a statistic of the tokens routed together, not a sum over tokens: each
+    micro-batch's counts as its share of the step's samples, so the step's `train/moe_aux_loss` (the shares summed
+    over micro-batches and ranks) is the sample-weighted mean of the micro-batches' losses, and the loss adds
+    `--moe-aux-loss-coeff` times it (Megatron's aux_loss likewise averages its micro-batches' losses)."""
     alg = cfg.algorithm
     old_log_probs = tgt.old_log_probs if tgt.old_log_probs is not None else out.log_probs.detach()
     reduce = loss_reducer(
@@ -96,6 +104,10 @@ def micro_batch_loss(
         vf = reduce(value_loss(out.values, tgt.old_values, tgt.returns, alg.value_clip))
         loss = loss + vf
         metrics["train/value_loss"] = vf.item()
+    if out.moe_aux_loss is not None:
+        aux = out.moe_aux_loss * (len(tgt.response_lengths) / global_num_samples)
+        loss = loss + alg.moe_aux_loss_coeff * aux
+        metrics["train/moe_aux_loss"] = aux.item()
     return loss, metrics
 
 

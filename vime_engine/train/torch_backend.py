@@ -85,6 +85,9 @@ class TorchTrainBackend:
         # attention of HF models) takes and flash-attention kernels do not: with those, a row per sample.
         self.attention_pair_cost = (attention_pair_cost(self.model.config)
                                     if self.model.config._attn_implementation == "sdpa" else None)
+        # A mixture-of-experts model's load-balancing loss, in the training forward only (preflight refused a
+        # coefficient for a model without experts); at 0 the forward and the loss are the dense path's.
+        self.moe_aux_loss = cfg.algorithm.moe_aux_loss_coeff > 0
         self.ref_model = None
         if needs_reference(cfg):
             ref_path = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
@@ -110,25 +113,42 @@ class TorchTrainBackend:
             self.optimizer, lambda step: schedule.learning_rate(step) / schedule.lr)
 
     # -- forward passes -----------------------------------------------------------------------------------------
-    def _forward(self, model: nn.Module, rows: list[list[Sample]],
-                 with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    def _forward(self, model: nn.Module, rows: list[list[Sample]], with_entropy: bool,
+                 with_moe_aux_loss: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Flat response log-probs of the samples of `rows` (one padded batch of rows, each a prompt and the
-        responses sharing it: vime_engine.train.forward_rows) and, if asked, the sampling distribution's entropy
-        there. The LM head runs only from the earliest predicting position on (`logits_to_keep`), and log-probs
-        and entropy come chunk by chunk over the tokens (vime_engine.algorithms.token_log_probs)."""
+        responses sharing it: vime_engine.train.forward_rows), if asked the sampling distribution's entropy there,
+        and if asked the router's load-balancing loss over the rows' tokens (`_moe_aux_loss`). The LM head runs
+        only from the earliest predicting position on (`logits_to_keep`), and log-probs and entropy come chunk by
+        chunk over the tokens (vime_engine.algorithms.token_log_probs)."""
         layout = build_forward_rows(rows, self.device)
         first = layout.first_predictor
-        logits = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
-                       position_ids=layout.position_ids, logits_to_keep=layout.input_ids.shape[1] - first,
-                       use_cache=False).logits
+        router_logits: list[Tensor] = []
+        with _recording_router_logits(self.model, router_logits) if with_moe_aux_loss else contextlib.nullcontext():
+            logits = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
+                           position_ids=layout.position_ids, logits_to_keep=layout.input_ids.shape[1] - first,
+                           use_cache=False).logits
+        aux = self._moe_aux_loss(tuple(router_logits), layout.tokens) if with_moe_aux_loss else None
         # index_select, not logits[rows, positions]: a shared prompt's last logit predicts several tokens, and the
         # backward of advanced indexing sums repeated indices in an order that depends on the thread count (a run
         # trained on one core and on two would differ); index_select's backward adds them in index order.
         predicting = layout.token_rows * logits.shape[1] + layout.predictors - first
         temperature = self.cfg.rollout.rollout_temperature
-        return token_log_probs_and_entropy(logits.flatten(0, 1).index_select(0, predicting),
-                                           layout.input_ids[layout.token_rows, layout.targets], temperature,
-                                           with_entropy)
+        log_probs, entropy = token_log_probs_and_entropy(logits.flatten(0, 1).index_select(0, predicting),
+                                                         layout.input_ids[layout.token_rows, layout.targets],
+                                                         temperature, with_entropy)
+        return log_probs, entropy, aux
+
+    def _moe_aux_loss(self, router_logits: tuple[Tensor, ...], tokens: Tensor) -> Tensor:
+        """The Switch Transformer load-balancing loss of a mixture-of-experts model, HF's `aux_loss`
+        (`load_balancing_loss_func`: experts × Σ_e (share of top-k choices routed to e) × (mean router probability
+        of e), over every layer's router and the forward's tokens, padding excluded: top-k when perfectly balanced,
+        the number of experts when top-k of them take every token).
+        HF's model computes it (`output_router_logits=True`) from a [rows, length] attention mask and fails on the
+        4-D one of shared-prompt rows, so the routers' logits are recorded and the rows' token mask given instead."""
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+        config = self.model.config
+        return load_balancing_loss_func(router_logits, config.num_experts, config.num_experts_per_tok, tokens)
 
     def _values(self, rows: list[list[Sample]], critic: nn.Module | None = None) -> Tensor:
         """The critic's values at the response tokens of the samples of `rows`, one sample per padded row."""
@@ -201,11 +221,12 @@ class TorchTrainBackend:
                     self._zero_backward(samples[step[0]])
                     continue
                 rows = [[local_samples[i] for i in row] for row in mb]
-                log_probs, entropy = self._forward(self.train_model, rows, with_entropy=True)
+                log_probs, entropy, moe_aux_loss = self._forward(self.train_model, rows, with_entropy=True,
+                                                                 with_moe_aux_loss=self.moe_aux_loss)
                 values = self._values(rows, self.train_critic) if self.critic is not None else None
                 order = [local[i] for row in mb for i in row]
                 loss, mb_metrics = micro_batch_loss(
-                    self.cfg, MicroBatchOutputs(log_probs, entropy, values), rollout.targets(order),
+                    self.cfg, MicroBatchOutputs(log_probs, entropy, values, moe_aux_loss), rollout.targets(order),
                     global_tokens, global_samples,
                 )
                 (loss * self.dp.size).backward()  # gradients are averaged over ranks; the global denominators did
@@ -220,7 +241,7 @@ class TorchTrainBackend:
 
     def _zero_backward(self, stand_in: Sample) -> None:
         """A forward and backward through every trained module whose gradient is zero."""
-        log_probs, _ = self._forward(self.train_model, [[stand_in]], with_entropy=False)
+        log_probs, _, _ = self._forward(self.train_model, [[stand_in]], with_entropy=False)
         loss = log_probs.sum()
         if self.critic is not None:
             loss = loss + self._values([[stand_in]], self.train_critic).sum()
@@ -321,6 +342,20 @@ class TorchTrainBackend:
     def _sharded_like(module: nn.Module, weights: dict[str, Tensor]) -> dict[str, Tensor]:
         local = module.state_dict()
         return {name: sharded_like(t, local[name]) if name in local else t for name, t in weights.items()}
+
+
+@contextlib.contextmanager
+def _recording_router_logits(model: nn.Module, into: list[Tensor]) -> Iterator[None]:
+    """Append each router's logits ([tokens, experts], layer by layer) to `into` while the block runs: the modules
+    and output index HF's MoE model declares for `output_router_logits` (its `_can_record_outputs`)."""
+    recorder = model._can_record_outputs["router_logits"]
+    hooks = [m.register_forward_hook(lambda _m, _in, out: into.append(out[recorder.index]))
+             for m in model.modules() if isinstance(m, recorder.target_class)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _tied_names(module: nn.Module) -> set[str]:

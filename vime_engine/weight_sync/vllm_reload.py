@@ -9,7 +9,7 @@ MoE, reloading the very same weights moved the sampled tokens' log-probs by 0.03
 CPU each such layer is prepacked again, here, from the checkpoint-layout values the reload left in it.
 
 A vLLM that prepacks on reload itself would be packed twice: the engine's test of the log-prob agreement after a
-sync (tests/component/test_cli_train.py, the MoE case) fails then, and this repack goes.
+sync (tests/component/test_moe_train.py) fails then, and this repack goes.
 """
 
 from __future__ import annotations

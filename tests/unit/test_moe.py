@@ -1,0 +1,128 @@
+"""The tiny mixture-of-experts model on the torch backend: the router's load-balancing loss (HF's aux_loss) under
+--moe-aux-loss-coeff, and vime's MoE model flags checked against config.json."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from vime_engine.config import build_config
+from vime_engine.models.builtin import materialize_builtin_model
+from vime_engine.preflight import PreflightError, check_inputs
+from vime_engine.sample import Sample
+from vime_engine.train.megatron_model_flags import ModelFlagMismatch, check_model_flags
+from vime_engine.train.objective import MicroBatchOutputs, MicroBatchTargets, micro_batch_loss
+from vime_engine.train.torch_backend import TorchTrainBackend
+
+# vime's scripts/models/qwen3-30B-A3B.sh MoE flags, with the tiny MoE's values (our transcription of the names).
+TINY_MOE_FLAGS = {"num-experts": 8, "moe-router-topk": 2, "moe-ffn-hidden-size": 64,
+                  "moe-router-score-function": "softmax", "moe-router-load-balancing-type": "aux_loss",
+                  "qk-layernorm": True, "num-layers": 2, "hidden-size": 128, "ffn-hidden-size": 256}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return materialize_builtin_model("tiny-qwen3-moe", tmp_path_factory.mktemp("tiny-moe") / "model")
+
+
+def _backend(moe_dir, coefficient: float) -> TorchTrainBackend:
+    return TorchTrainBackend(build_config([], **{"hf-checkpoint": str(moe_dir), "prompt-data": "unused",
+                                                 "moe-aux-loss-coeff": coefficient}))
+
+
+def _sample(rng: random.Random, prompt_length: int, response_length: int) -> Sample:
+    return Sample(0, "", "", [rng.randrange(10, 400) for _ in range(prompt_length)],
+                  [rng.randrange(10, 400) for _ in range(response_length)])
+
+
+def test_the_balance_loss_is_hfs_aux_loss_over_the_tokens_and_leaves_the_log_probs_alone(moe_dir):
+    backend = _backend(moe_dir, 0.01)
+    rng = random.Random(0)
+    long, short = _sample(rng, 12, 9), _sample(rng, 5, 3)
+    plain, _, none = backend._forward(backend.model, [[long], [short]], with_entropy=False)
+    log_probs, _, aux = backend._forward(backend.model, [[long], [short]], with_entropy=False,
+                                         with_moe_aux_loss=True)
+    assert none is None and torch.equal(log_probs, plain)
+    ids = torch.zeros(2, 21, dtype=torch.long)
+    mask = torch.zeros(2, 21, dtype=torch.long)
+    for row, s in enumerate([long, short]):
+        ids[row, : s.total_length] = torch.tensor(s.prompt_tokens + s.response_tokens)
+        mask[row, : s.total_length] = 1
+    hf = backend.model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+    torch.testing.assert_close(aux, hf, rtol=1e-6, atol=0)
+    assert 1.9 < aux.item() < 8.0  # top-k (2) when perfectly balanced, the 8 experts' count when 2 take every token
+    sibling = Sample(0, "", "", long.prompt_tokens, short.response_tokens)  # a row shares its prompt: a 4-D mask
+    _, _, shared = backend._forward(backend.model, [[long, sibling]], with_entropy=False, with_moe_aux_loss=True)
+    assert 1.9 < shared.item() < 8.0
+    aux.backward()
+    assert backend.model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0  # it trains the routers
+
+
+def _targets(n: int) -> MicroBatchTargets:
+    lengths = [3] * n
+    zeros = torch.zeros(sum(lengths))
+    return MicroBatchTargets(lengths, torch.ones(sum(lengths)), torch.linspace(-1, 1, sum(lengths)), None, zeros)
+
+
+def test_each_micro_batch_adds_the_coefficient_times_its_sample_share_of_the_balance_loss(moe_dir):
+    cfg = build_config([], **{"hf-checkpoint": str(moe_dir), "prompt-data": "unused", "moe-aux-loss-coeff": 0.25})
+    log_probs = torch.linspace(-2, -0.5, 6)
+    dense, dense_metrics = micro_batch_loss(cfg, MicroBatchOutputs(log_probs), _targets(2), 24, 8)
+    aux = torch.tensor(1.6)
+    loss, metrics = micro_batch_loss(cfg, MicroBatchOutputs(log_probs, moe_aux_loss=aux), _targets(2), 24, 8)
+    assert "train/moe_aux_loss" not in dense_metrics
+    assert metrics["train/moe_aux_loss"] == pytest.approx(1.6 * 2 / 8)
+    assert (loss - dense).item() == pytest.approx(0.25 * 1.6 * 2 / 8)
+    # Micro-batches of 2 and 6 samples: the step's metric is their sample-weighted mean.
+    _, other = micro_batch_loss(cfg, MicroBatchOutputs(torch.zeros(18), moe_aux_loss=torch.tensor(1.2)),
+                                _targets(6), 24, 8)
+    assert metrics["train/moe_aux_loss"] + other["train/moe_aux_loss"] == pytest.approx((1.6 * 2 + 1.2 * 6) / 8)
+
+
+def test_a_zero_coefficient_trains_exactly_as_without_the_flag(moe_dir):
+    rng = random.Random(1)
+    samples = [_sample(rng, 6, 4) for _ in range(4)]
+    for s, reward in zip(samples, [1.0, 0.0, 1.0, 0.0]):
+        s.reward, s.rollout_log_probs, s.loss_mask = reward, [-1.0] * 4, [1] * 4
+    base = {"hf-checkpoint": str(moe_dir), "prompt-data": "unused", "rollout-batch-size": 1,
+            "n-samples-per-prompt": 4}
+    without = TorchTrainBackend(build_config([], **base))
+    zero = TorchTrainBackend(build_config([], **base, **{"moe-aux-loss-coeff": 0}))
+    on = TorchTrainBackend(build_config([], **base, **{"moe-aux-loss-coeff": 0.5}))
+    metrics = [b.train_rollout(samples) for b in (without, zero, on)]
+    assert metrics[0] == metrics[1]
+    assert "train/moe_aux_loss" in metrics[2] and "train/moe_aux_loss" not in metrics[1]
+    weights = [dict(b.named_weights()) for b in (without, zero, on)]
+    name = "model.layers.0.mlp.gate.weight"
+    assert torch.equal(weights[0][name], weights[1][name]) and not torch.equal(weights[0][name], weights[2][name])
+
+
+def test_vimes_moe_flags_describe_the_tiny_moe(moe_dir):
+    config = json.loads((moe_dir / "config.json").read_text())
+    check_model_flags(TINY_MOE_FLAGS, config, "config.json")
+
+
+@pytest.mark.parametrize("flags, said", [
+    ({"num-experts": 128}, "--num-experts 128 disagrees with config.json num_experts = 8"),
+    ({"moe-router-topk": 8}, "num_experts_per_tok = 2"),
+    ({"moe-ffn-hidden-size": 768}, "moe_intermediate_size = 64"),
+    ({"moe-router-score-function": "sigmoid"}, "softmax"),
+    ({"moe-router-load-balancing-type": "sinkhorn"}, "aux_loss"),
+])
+def test_a_moe_flag_that_does_not_describe_the_model_is_refused(moe_dir, flags, said):
+    config = json.loads((moe_dir / "config.json").read_text())
+    with pytest.raises(ModelFlagMismatch, match=said):
+        check_model_flags(flags, config, "config.json")
+
+
+def test_moe_flags_on_a_dense_model_are_refused(tiny_model, arithmetic_data):
+    config = json.loads((tiny_model / "config.json").read_text())
+    with pytest.raises(ModelFlagMismatch, match="num_experts = None"):
+        check_model_flags({"num-experts": 8}, config, "config.json")
+    cfg = build_config([], **{"hf-checkpoint": str(tiny_model), "prompt-data": str(arithmetic_data),
+                              "moe-aux-loss-coeff": 0.01})
+    with pytest.raises(PreflightError, match="--moe-aux-loss-coeff 0.01: the model has no experts"):
+        check_inputs(cfg)
