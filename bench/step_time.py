@@ -11,6 +11,8 @@ left) against the first placement's.
     .venv/bin/python bench/step_time.py
     .venv/bin/python bench/step_time.py --configs smollm2 --num-rollout 4 \
         --placements disaggregated broadcast colocated async
+    .venv/bin/python bench/step_time.py --configs smollm2 --num-rollout 4 \
+        --placements colocated-tp2 colocated-2x1 disaggregated-2x1
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ PLACEMENTS = {
     "broadcast": {"weight-sync": "broadcast"},
     "colocated": {"colocate": True},
     "async": {"async-rollout": True},
+    # Two trainer ranks: one engine tensor parallel across both ranks' processes, an engine beside each rank, or
+    # two engines of their own (vime's colocated layout against its two alternatives).
+    "colocated-tp2": {"colocate": True, "actor-num-gpus-per-node": 2, "rollout-num-gpus-per-engine": 2},
+    "colocated-2x1": {"colocate": True, "actor-num-gpus-per-node": 2},
+    "disaggregated-2x1": {"colocate": False, "actor-num-gpus-per-node": 2, "rollout-num-gpus": 2},
 }
 
 

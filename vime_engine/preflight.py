@@ -61,6 +61,7 @@ def check_inputs(cfg: EngineConfig) -> None:
     _check_model_flags(cfg.megatron, model_config, config_file)
     _check_moe_aux_loss(cfg.algorithm.moe_aux_loss_coeff, model_config, config_file)
     _check_context_limits(cfg, model_config, config_file)
+    _check_engine_tensor_parallel(cfg.rollout.rollout_num_gpus_per_engine, model_config, config_file)
     ref_load = cfg.checkpoint.ref_load
     torch_dist_ref = ref_load is not None and _is_converted_checkpoint(ref_load)
     if torch_dist_ref:
@@ -76,6 +77,16 @@ def check_inputs(cfg: EngineConfig) -> None:
     check_can_make_dir(Path(cfg.logging.output_dir), "--output-dir", OUTPUT_DIR_HOLDS)
     for dataset in _datasets(cfg):
         _read_rows(dataset)
+
+
+def _check_engine_tensor_parallel(per_engine: int, model_config: dict[str, Any], config_file: Path) -> None:
+    """vLLM splits the attention heads evenly over an engine's devices: refused here, before Ray starts, instead of
+    by the engine once every actor has started."""
+    heads = model_config.get("num_attention_heads")
+    if per_engine > 1 and isinstance(heads, int) and heads % per_engine:
+        raise PreflightError(
+            f"--rollout-num-gpus-per-engine {per_engine}: the model's {heads} attention heads ({config_file}: "
+            f"num_attention_heads) do not split over {per_engine} devices; use a divisor of {heads}")
 
 
 def check_datasets(cfg: EngineConfig) -> None:

@@ -124,6 +124,8 @@ CASES = [
          ("--rollout-max-response-len 64", "--vllm-max-model-len 64")),
     Case("eval-response-fills-context", {"vllm-max-model-len": 100, "eval-max-response-len": 120}, DATA,
          ("--eval-max-response-len 120", "no room for the prompt", "--vllm-max-model-len 100", "less than 100")),
+    Case("engine-devices-that-do-not-split-the-heads", {"rollout-num-gpus-per-engine": 3, "rollout-num-gpus": 3},
+         DATA, ("--rollout-num-gpus-per-engine 3", "4 attention heads", "num_attention_heads", "divisor of 4")),
     Case("multi-turn-context-beyond-vllm-max-model-len", {"vllm-max-model-len": 512, "rollout-max-context-len": 600,
          "custom-generate-function-path": "{tmp}/gen.py:generate"}, DATA,
          ("--rollout-max-context-len 600", "beyond --vllm-max-model-len 512", "at most 512")),
