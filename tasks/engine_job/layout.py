@@ -26,6 +26,11 @@ RUN_ID_FILE = "run-id"
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
+def run_prefix(run_name: str) -> str:
+    """Where a run's objects live under the storage root."""
+    return f"runs/{run_name}"
+
+
 @dataclass(frozen=True)
 class RunLayout:
     storage_root: str
@@ -34,7 +39,7 @@ class RunLayout:
 
     @property
     def run_prefix(self) -> str:
-        return f"runs/{self.run_name}"
+        return run_prefix(self.run_name)
 
     @property
     def artifact_key(self) -> str:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError, model_validator
 
-from tasks.engine_job.layout import EngineJob
+from tasks.engine_job.layout import EngineJob, run_prefix
 from tasks.storage import join_key
 from vime_engine.chunk import ChunkResult
 
@@ -170,7 +170,7 @@ class ChunkSpec(Message):
 
     @property
     def run_prefix(self) -> str:
-        return f"runs/{self.run_name}"
+        return run_prefix(self.run_name)
 
     @property
     def spec_key(self) -> str:

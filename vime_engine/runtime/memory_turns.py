@@ -67,6 +67,7 @@ class HostOffload:
 
     def __init__(self, model, optimizer, device: str, margin_bytes: int = 0):
         self.model, self.optimizer, self.device, self.margin_bytes = model, optimizer, device, margin_bytes
+        self.device_module = None if device == "cpu" else getattr(torch, device.split(":")[0])  # torch.cuda / npu
 
     def _move(self, device: str) -> None:
         for param in self.model.parameters():
@@ -79,15 +80,15 @@ class HostOffload:
 
     def release(self) -> None:
         self._move("cpu")
-        kind = self.device.split(":")[0]
-        if kind != "cpu":
-            getattr(torch, kind).empty_cache()  # torch.cuda / torch.npu: the freed blocks back to the device
+        if self.device_module is not None:
+            self.device_module.empty_cache()  # the freed blocks back to the device
 
     def restore(self) -> None:
         self._move(self.device)
-        kind = self.device.split(":")[0]
-        free = getattr(torch, kind).mem_get_info()[0] if kind != "cpu" else None
-        if free is not None and free < self.margin_bytes:
+        if self.device_module is None:
+            return
+        free = self.device_module.mem_get_info()[0]
+        if free < self.margin_bytes:
             raise MemoryError(
                 f"--train-memory-margin-bytes {self.margin_bytes}: with the trainer's memory back on {self.device} "
                 f"only {free} bytes are free; lower --vllm-gpu-memory-utilization or the batch's tokens")

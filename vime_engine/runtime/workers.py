@@ -119,7 +119,6 @@ class TensorParallelEngine:
     parallel shards live in trainer ranks iE … iE+E−1, driven through the calls of `RolloutEngine`."""
 
     def __init__(self, ranks: list[ActorHandle[ColocatedActor]]):
-        self.ranks = ranks
         self.generate, self.begin, self.advance, self.abort, self.loaded_weight_version = (
             _OnEveryShard(ranks, name) for name in ("generate", "begin", "advance", "abort", "loaded_weight_version"))
 
