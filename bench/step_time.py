@@ -13,6 +13,8 @@ left) against the first placement's.
         --placements disaggregated broadcast colocated async
     .venv/bin/python bench/step_time.py --configs smollm2 --num-rollout 4 \
         --placements colocated-tp2 colocated-2x1 disaggregated-2x1
+    .venv/bin/python bench/step_time.py --configs smollm2 --num-rollout 4 \
+        --placements disaggregated server disaggregated-2 server-2
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ PLACEMENTS = {
     "colocated-tp2": {"colocate": True, "actor-num-gpus-per-node": 2, "rollout-num-gpus-per-engine": 2},
     "colocated-2x1": {"colocate": True, "actor-num-gpus-per-node": 2},
     "disaggregated-2x1": {"colocate": False, "actor-num-gpus-per-node": 2, "rollout-num-gpus": 2},
+    # vime's rollout service: `vllm serve` engines behind vllm-router, against in-process engines of their own.
+    "server": {"rollout-mode": "server"},
+    "disaggregated-2": {"colocate": False, "rollout-num-gpus": 2},
+    "server-2": {"rollout-mode": "server", "rollout-num-gpus": 2},
 }
 
 

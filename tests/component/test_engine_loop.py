@@ -46,12 +46,29 @@ PLACEMENTS = {
     "disaggregated": {"colocate": False},
     # Two engines (the rollout group): each sync is one broadcast to both, each rollout spread over both.
     "two-engines-broadcast": {"weight-sync": "broadcast", "rollout-num-gpus": 2},
+    # vime's layout: two `vllm serve` engines behind a vllm-router, every request posted to the router.
+    "two-servers-behind-a-router": {"rollout-mode": "server", "rollout-num-gpus": 2},
 }
+EXPORTED = ("two-engines-broadcast", "two-servers-behind-a-router")  # compared by the test after the loop's
+
+
+@pytest.fixture(scope="module")
+def runs(inputs):
+    """Each placement's run, made once for the tests that read it."""
+    made = {}
+
+    def run(name: str):
+        if name not in made:
+            extra = {"save-hf": str(inputs[2] / name / "hf")} if name in EXPORTED else {}
+            made[name] = _run(inputs, name, **PLACEMENTS[name], **extra)
+        return made[name]
+
+    return run
 
 
 @pytest.mark.parametrize("name", PLACEMENTS)
-def test_synchronous_loop_trains_on_exactly_the_rollout_policy(inputs, cluster, name):
-    result, metrics_path = _run(inputs, name, **PLACEMENTS[name])
+def test_synchronous_loop_trains_on_exactly_the_rollout_policy(runs, cluster, name):
+    result, metrics_path = runs(name)
     assert result.rollouts_done == list(range(NUM_ROLLOUT))
     for row in result.history:
         assert row["train/train_rollout_logprob_abs_diff"] <= 1e-5, row
@@ -59,6 +76,26 @@ def test_synchronous_loop_trains_on_exactly_the_rollout_policy(inputs, cluster, 
         assert row["train/grad_norm"] > 0  # the optimizer moved the weights, so each sync carried news
     logged = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     assert len(logged) == NUM_ROLLOUT
+
+
+def test_server_engines_behind_the_router_train_the_weights_of_in_process_engines(runs, inputs, cluster):
+    from safetensors.torch import load_file
+
+    (in_process, _), (served, _) = runs(EXPORTED[0]), runs(EXPORTED[1])
+    math = ("rollout/raw_reward", "train/pg_loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff")
+    assert [[row[k] for k in math] for row in served.history] == [[row[k] for k in math] for row in in_process.history]
+    weights = [load_file(next((inputs[2] / name / "hf").glob("*.safetensors"))) for name in EXPORTED]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # the HF exports, bit for bit
+    assert not _servers_left(), "a vllm serve or vllm-router process outlived its run"
+
+
+def _servers_left() -> list[str]:
+    import psutil
+
+    return [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])
+            if any("vllm.entrypoints.openai.api_server" in part or part.endswith("vllm-router")
+                   for part in p.info["cmdline"] or [])]
 
 
 def test_async_loop_runs_one_step_off_policy(inputs, cluster):

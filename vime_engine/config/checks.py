@@ -42,6 +42,7 @@ def check_combinations(cfg: EngineConfig) -> None:
     if cfg.placement.async_rollout and cfg.placement.colocate is True:
         raise ConfigError("--async-rollout needs the rollout engine on its own actor: drop --colocate")
     _check_fault_tolerance(cfg)
+    _check_server_mode(cfg)
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError(
             f"--over-sampling-batch-size {r.over_sampling_batch_size} must be >= --rollout-batch-size "
@@ -150,6 +151,32 @@ def _check_fault_tolerance(cfg: EngineConfig) -> None:
                "drop --partial-rollout")
     if why:
         raise ConfigError(f"--use-fault-tolerance: {why}")
+
+
+def _check_server_mode(cfg: EngineConfig) -> None:
+    """What `--rollout-mode server` runs: whole rounds on servers of their own, synced through the object store."""
+    p, r = cfg.placement, cfg.rollout
+    if (p.vllm_router_ip is None) != (p.vllm_router_port is None):
+        raise ConfigError("--vllm-router-ip and --vllm-router-port name an existing router together: give both, "
+                          "or neither to start one")
+    if p.rollout_mode != "server":
+        if p.vllm_router_ip is not None:
+            raise ConfigError("--vllm-router-ip registers server engines with a router: add --rollout-mode server")
+        return
+    why = None
+    if p.colocate is True:
+        why = "each engine is a server of its own, beside the trainer: drop --colocate"
+    elif p.weight_sync == "broadcast":
+        why = ("the servers load weights through their control endpoints (--weight-sync object_store); the "
+               "collective broadcast into a server is not built yet")
+    elif r.use_fault_tolerance:
+        why = "restarting a dead server is not built yet: drop --use-fault-tolerance, or use --rollout-mode inprocess"
+    elif r.partial_rollout or r.over_sampling_batch_size is not None or r.dynamic_sampling_filter_path:
+        # A streamed round keeps the groups that finish first; over HTTP which those are depends on timing.
+        why = ("a streamed round (--partial-rollout, --over-sampling-batch-size, --dynamic-sampling-filter-path) "
+               "keeps the groups that finish first, which over HTTP depends on timing: not built yet in server mode")
+    if why:
+        raise ConfigError(f"--rollout-mode server: {why}")
 
 
 # vime's own whole-rollout functions; naming one of them asks for what our engine does anyway.

@@ -265,6 +265,22 @@ class PlacementConfig(_Section):
         "object_store", description="disaggregated weight sync: Ray's object store or a bucketed collective broadcast"
     )
     weight_sync_bucket_mb: float = non_math(64, gt=0, description="bucket size of the broadcast weight sync (MiB)")
+    rollout_mode: Literal["auto", "inprocess", "server"] = non_math(
+        "auto", description="the rollout engines as vLLM in the engine's actor (inprocess) or as `vllm serve` "
+        "servers behind vllm-router (server, vime's layout: plugins and outside agents reach the policy over HTTP); "
+        "auto: inprocess"
+    )
+    vllm_router_ip: str | None = non_math(
+        None, description="server mode: an existing vllm-router to register the servers with; default: start one"
+    )
+    vllm_router_port: int | None = non_math(None, ge=1, le=65535, description="the port of --vllm-router-ip")
+    vllm_router_request_timeout_secs: int = non_math(
+        14400, ge=1, description="server mode: seconds a generate request may take through the router"
+    )
+    router_policy: Literal[
+        "random", "round_robin", "cache_aware", "kv_aware", "power_of_two", "consistent_hash", "sticky_least_loaded"
+    ] = non_math("consistent_hash", description="server mode: how the router picks a server for each request "
+                 "(consistent_hash keeps a group's samples, one x-session-id, on one server)")
     train_memory_margin_bytes: int = non_math(
         0, ge=0, description="colocated on an accelerator: device memory that must stay free once the trainer has "
         "taken the memory back from the engine (vime's TorchMemorySaver margin); 0 on CPU"

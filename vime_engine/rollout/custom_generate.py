@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hashlib
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vime_engine.plugins.loading import check_callable, import_function
+from vime_engine.plugins.request_seeds import request_seed
 from vime_engine.rollout.vllm_engine import Request, SamplingSettings, VLLMEngine
 from vime_engine.sample import Sample, SampleStatus
 
@@ -78,11 +78,6 @@ class GenerateOutput:
             "weight_version": self.weight_version,
             "completion_tokens": len(self.token_ids),
         }
-
-
-def request_seed(sampling_seed: int, num_input_tokens: int) -> int:
-    digest = hashlib.sha256(f"{sampling_seed}/{num_input_tokens}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
 
 
 class EngineClient:

@@ -138,7 +138,7 @@ class VLLMEngine:
             extra["distributed_executor_backend"] = settings.distributed_executor_backend
         if settings.enable_sleep_mode and current_platform.is_sleep_mode_available():
             extra["enable_sleep_mode"] = True
-        max_model_len = settings.max_model_len or _model_max_positions(settings.model_path)
+        max_model_len = engine_max_model_len(settings)
         self.max_model_len = max_model_len  # prompt + response tokens a request may hold
         self.engine_kwargs = device_engine_kwargs(current_platform.device_type, settings.tuning, max_model_len)
         self.llm = LLM(
@@ -218,9 +218,12 @@ class VLLMEngine:
         return time.perf_counter() - start
 
 
-def _model_max_positions(model_path: str) -> int:
+def engine_max_model_len(settings: EngineSettings) -> int:
+    """Prompt + response tokens a request may hold: `--vllm-max-model-len`, else the model's own limit."""
     import json
     from pathlib import Path
 
-    config = json.loads((Path(model_path) / "config.json").read_text())
+    if settings.max_model_len is not None:
+        return settings.max_model_len
+    config = json.loads((Path(settings.model_path) / "config.json").read_text())
     return int(config.get("max_position_embeddings", 2048))

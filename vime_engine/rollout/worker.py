@@ -24,6 +24,7 @@ from vime_engine.plugins.boundary import user_functions_in
 from vime_engine.rewards import BatchRewardFn, RewardInput, extract_answer, get_batch_reward, run_reward
 from vime_engine.rollout.custom_generate import CustomRound, EngineClient, load_generate_function
 from vime_engine.rollout.partial import continuation, extend
+from vime_engine.rollout.server.router_engine import RouterEngine
 from vime_engine.rollout.vllm_engine import (
     Completion, DeviceTuning, EngineSettings, Request, SamplingSettings, VLLMEngine,
 )
@@ -86,12 +87,16 @@ class _Round:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: EngineConfig, kv_cache_bytes: int | None = None):
+    """Generates on `engine`: by default an in-process VLLMEngine built from `cfg`; in server mode the servers
+    behind the router (vime_engine/rollout/server/router_engine.py), which answer the same calls."""
+
+    def __init__(self, cfg: EngineConfig, kv_cache_bytes: int | None = None,
+                 engine: VLLMEngine | RouterEngine | None = None):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
-        self.engine = VLLMEngine(engine_settings(cfg, kv_cache_bytes))
+        self.engine = engine or VLLMEngine(engine_settings(cfg, kv_cache_bytes))
         self.reward_fn = run_reward(cfg)
         self._round: _Round | None = None
         r = cfg.rollout

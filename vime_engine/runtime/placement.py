@@ -29,7 +29,7 @@ def colocate_by_default(cfg: EngineConfig, device_kind: str) -> bool:
     p, r = cfg.placement, cfg.rollout
     return (device_kind == "cpu" and p.ray_address is None and p.actor_num_nodes == 1
             and cfg.train.train_backend != "megatron" and p.weight_sync == "object_store"
-            and not p.async_rollout and not r.use_fault_tolerance
+            and not p.async_rollout and not r.use_fault_tolerance and p.rollout_mode != "server"
             and r.rollout_num_gpus in (None, cfg.trainer_world_size) and r.rollout_num_gpus_per_engine == 1)
 
 

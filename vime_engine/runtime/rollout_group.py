@@ -406,10 +406,19 @@ class RolloutGroup:
             except RayActorError as error:
                 self.replace(engine, error)
 
+    def actors(self) -> list:
+        """Every actor of the group (e.g. to wait until all have started)."""
+        return list(self.engines)
+
     # -- weights ------------------------------------------------------------------------------------------------
+    @property
+    def weight_holders(self) -> list:
+        """The actors the weight sync loads: the engines (in server mode, the servers behind the dispatcher)."""
+        return self.engines
+
     def check_weight_version(self, version: int) -> None:
         """Every engine holds `version`; else RuntimeError naming the engines that do not."""
-        held = ray.get([engine.loaded_weight_version.remote() for engine in self.engines])
+        held = ray.get([engine.loaded_weight_version.remote() for engine in self.weight_holders])
         behind = {i: v for i, v in enumerate(held) if v != version}
         if behind:
             raise RuntimeError(

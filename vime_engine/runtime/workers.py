@@ -31,6 +31,7 @@ from vime_engine.devices.accelerator import Accelerator
 from vime_engine.runtime.memory_turns import check_memory_margin, memory_turns
 from vime_engine.runtime.placement import check_nodes_see, device_nodes, nodes_of, with_placement_decided
 from vime_engine.runtime.rollout_group import EngineHandle, FaultTolerance, GroupRound, PendingSamples, RolloutGroup
+from vime_engine.runtime.server_group import ServerRolloutGroup
 from vime_engine.runtime.trainer_group import RankAddress, TrainerGroup, TrainerRank
 from vime_engine.sample import Sample
 from vime_engine.weight_sync.strategies import make_weight_sync
@@ -158,12 +159,15 @@ class Workers:
                 self.trainer = TrainerGroup(cfg, accel, ColocatedActor, kv_cache_bytes)
                 self.rollout = RolloutGroup(
                     colocated_engines(self.trainer.actors(), cfg.rollout.rollout_num_gpus_per_engine))
+            elif cfg.placement.rollout_mode == "server":
+                self.trainer = TrainerGroup(cfg, accel)
+                self.rollout = ServerRolloutGroup.launch(cfg, accel, kv_cache_bytes, multi_node=len(nodes) > 1)
             else:
                 self.trainer = TrainerGroup(cfg, accel)
                 self.rollout = RolloutGroup.launch(cfg, accel, kv_cache_bytes)
             self.weight_sync = make_weight_sync(
-                cfg.placement.weight_sync, self.trainer, self.rollout.engines, self.colocated, accel.dist_backend,
-                accel.torch_device, cfg.placement.weight_sync_bucket_mb,
+                cfg.placement.weight_sync, self.trainer, self.rollout.weight_holders, self.colocated,
+                accel.dist_backend, accel.torch_device, cfg.placement.weight_sync_bucket_mb,
             )
             self.weight_version: int | None = None  # the version every engine holds, once synced
             policy = FaultTolerance.of(cfg)
@@ -198,7 +202,7 @@ class Workers:
         """Every actor of the run (trainer ranks and engines), e.g. to wait until all have started."""
         if self.colocated:  # the engines live in the trainer's actors
             return self.trainer.actors()
-        return [*self.trainer.actors(), *self.rollout.engines]
+        return [*self.trainer.actors(), *self.rollout.actors()]
 
     def generate(
         self, records: list[PromptRecord], rollout_id: int, first_group: int, plan: GenerationPlan,

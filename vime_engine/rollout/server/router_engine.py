@@ -1,0 +1,128 @@
+"""The rollout group's servers behind vllm-router, driven like one in-process engine (VLLMEngine's calls).
+
+Every request goes to the router's `/inference/v1/generate` as token ids with its own seed, so what it generates
+does not depend on which server the router picks nor on what else that server is running (on CPU vLLM's result
+for a request does not depend on its batch): a round comes out as one in-process engine would give it. The
+`x-session-id` header names the sample's group, so the consistent-hash policy keeps a group's samples (one
+prompt) on one server, where their prompt's blocks are cached.
+
+Requests are in flight on a pool of threads, one blocking HTTP call each; `step()` waits until at least one more
+has come back. Completions come back in the order the servers finish them, which depends on timing: a caller
+that needs a fixed order sorts them (a whole round is returned by group index).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from vime_engine.rollout.vllm_engine import Completion, Request, SamplingSettings
+from vime_engine.sample import SampleStatus
+
+# Requests in flight at once (vime's --vllm-server-concurrency default); more wait in the pool's queue.
+MAX_IN_FLIGHT = 512
+
+
+@dataclass(frozen=True)
+class RouterAddress:
+    """Where the router listens and the servers behind it (their own URLs, for aborting)."""
+
+    url: str
+    server_urls: tuple[str, ...]
+
+
+def generate_payload(request: Request, sampling: SamplingSettings) -> dict[str, Any]:
+    """The `/inference/v1/generate` body of one request: its token ids, seed and sampling settings, with the
+    sampled tokens' log-probs (after temperature scaling, as the server runs with processed log-probs)."""
+    return {
+        "request_id": request.key,
+        "token_ids": list(request.prompt_token_ids),
+        "sampling_params": {
+            "max_tokens": request.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "top_k": sampling.top_k, "seed": request.seed, "logprobs": 0, "detokenize": False,
+        },
+    }
+
+
+def parse_completion(key: str, body: dict[str, Any]) -> tuple[Completion, str | None]:
+    """A `/inference/v1/generate` response as a Completion, with the weight version the server generated it on
+    (None when it reports none)."""
+    choice = body["choices"][0]
+    tokens = list(choice.get("token_ids") or [])
+    log_probs = [entry["logprob"] for entry in ((choice.get("logprobs") or {}).get("content") or [])]
+    if len(log_probs) != len(tokens):
+        raise RuntimeError(f"the server answered request {key} with {len(tokens)} tokens but {len(log_probs)} "
+                           "log-probs: is it vLLM's /inference/v1/generate?")
+    reason = choice.get("finish_reason")
+    status = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}.get(reason, SampleStatus.COMPLETED)
+    spans = choice.get("weight_versions") or []
+    return Completion(key, tokens, log_probs, status), (spans[-1]["version"] if spans else None)
+
+
+class RouterEngine:
+    """Submit requests, `step()` until they have come back, or `abort()` them: VLLMEngine's calls, over HTTP."""
+
+    def __init__(self, address: RouterAddress, max_model_len: int, timeout_s: float):
+        self.address, self.max_model_len = address, max_model_len
+        self.weight_version = 0  # the version the servers hold, set by the rollout group after each sync
+        self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=MAX_IN_FLIGHT))
+        self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="router-request")
+        self._in_flight: dict[Future, str] = {}
+
+    @property
+    def running(self) -> bool:
+        return bool(self._in_flight)
+
+    def submit(self, requests: list[Request], sampling: SamplingSettings, join_running: bool = False) -> None:
+        if self.running and not join_running:
+            raise RuntimeError("requests are still running: finish or abort them before submitting more")
+        for r in requests:
+            self._in_flight[self._pool.submit(self._post, r, sampling)] = r.key
+
+    def _post(self, request: Request, sampling: SamplingSettings) -> Completion:
+        group = request.key.split("/")[0]
+        response = self._http.post(self.address.url + "/inference/v1/generate",
+                                   json=generate_payload(request, sampling), headers={"x-session-id": group})
+        if response.status_code != 200:
+            raise RuntimeError(f"the router answered request {request.key} with HTTP {response.status_code}: "
+                               f"{response.text[:500]}")
+        completion, version = parse_completion(request.key, response.json())
+        if version is not None and version != str(self.weight_version):
+            raise RuntimeError(f"request {request.key} was generated on weight version {version}, but the servers "
+                               f"were synced to {self.weight_version}: a server missed the sync")
+        return completion
+
+    def step(self) -> list[Completion]:
+        """Wait until at least one request has come back; every request that has."""
+        if not self._in_flight:
+            return []
+        done, _ = wait(self._in_flight, return_when=FIRST_COMPLETED)
+        return [self._collect(future) for future in list(self._in_flight) if future in done or future.done()]
+
+    def _collect(self, future: Future) -> Completion:
+        del self._in_flight[future]
+        return future.result()
+
+    def abort(self) -> list[Completion]:
+        """Abort every request in flight on every server; what each had generated, in submission order."""
+        if not self._in_flight:
+            return []
+        for url in self.address.server_urls:
+            self._http.post(url + "/abort_requests", json={}).raise_for_status()
+        wait(self._in_flight)
+        return [self._collect(future) for future in list(self._in_flight)]
+
+    def generate(self, requests: list[Request], sampling: SamplingSettings) -> list[Completion]:
+        """Every request run to completion, in request order."""
+        self.submit(requests, sampling)
+        done: dict[str, Completion] = {}
+        while self.running:
+            done.update((c.key, c) for c in self.step())
+        return [done[r.key] for r in requests]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
