@@ -1,5 +1,8 @@
 """Loading a user's function from a flag value: `package.module:function` or `path/to/file.py:function`,
-and calling it whether it is a plain function or a coroutine function (vime's rewards are `async def`)."""
+and calling it whether it is a plain function or a coroutine function (vime's rewards are `async def`).
+
+A user's file may be written for vime and import vime's helpers (`from vime.utils.http_utils import post`): where
+vime is not installed those imports reach our own (vime_engine/plugins/vime_modules/), installed before importing."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from vime_engine.plugins.vime_modules import install_vime_modules
 
 _FORMS = "`package.module:function` or `path/to/file.py:function`"
 FILE_MODULE_PREFIX = "vime_plugin_"  # the module name of a `path/to/file.py:function`: prefix + hash of the path
@@ -42,6 +47,7 @@ def import_function(spec: str, flag: str, wanted: str) -> Callable:
     target, sep, function_name = spec.rpartition(":")
     if not sep or not target or not function_name.isidentifier():
         raise ValueError(f"{flag} {spec!r}: expected {_FORMS}")
+    install_vime_modules()
     if target.endswith(".py"):
         module = _module_from_file(Path(target), spec, flag)
     else:

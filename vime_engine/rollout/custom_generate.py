@@ -1,9 +1,11 @@
 """`--custom-generate-function-path`: vime's `async generate(args, sample, sampling_params) -> Sample`, run on
 our step-driven vLLM engine, e.g. a multi-turn agent that calls tools between the model's turns.
 
-How a generate function reaches the engine. slime's and vime's functions POST `{"input_ids", "sampling_params"}`
-to an SGLang router; ours call `await args.rollout_engine.generate(input_ids, sampling_params)`, an in-process
-client of the rollout worker's engine (`args` is vime's read-only namespace, vime_engine/plugins/vime_args.py, with this
+How a generate function reaches the engine. vime's functions POST `{"token_ids", "sampling_params"}` to the
+router's `/inference/v1/generate` (slime's `{"input_ids", ...}` to an SGLang router); in server mode those run
+unchanged (`--rollout-mode server`: vime_engine/plugins/vime_modules/ provides the helpers they import). In
+process they call `await args.rollout_engine.generate(input_ids, sampling_params)`, an in-process client of the
+rollout worker's engine (`args` is vime's read-only namespace, vime_engine/plugins/vime_args.py, with this
 one attribute added). It returns a `GenerateOutput` whose `meta_info` has SGLang's shape (`output_token_logprobs`,
 `finish_reason`, `weight_version`), so porting a slime function means replacing its `post(url, payload)` line.
 We chose a call over an HTTP endpoint for three reasons: (1) determinism, below; (2) partial rollout: when the

@@ -27,7 +27,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime_engine.config import EngineConfig
-from vime_engine.devices.accelerator import Accelerator
+from vime_engine.devices.accelerator import Accelerator, cpu_threads
 from vime_engine.rollout.server.router import Router, RouterOptions
 from vime_engine.rollout.server.router_engine import RouterAddress, RouterEngine
 from vime_engine.rollout.server.vllm_server import ServerProcess, free_port, server_argv
@@ -44,6 +44,13 @@ SYNC_TIMEOUT_S = 600.0
 def listen_host(multi_node: bool) -> str:
     """The address a server or the router binds: loopback, unless other nodes must reach it."""
     return ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
+
+
+def with_router(cfg: EngineConfig, url: str) -> EngineConfig:
+    """`cfg` naming the router at `url` (`--vllm-router-ip/-port`), so that plugins find it in `args` as in vime."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    placement = cfg.placement.model_copy(update={"vllm_router_ip": host, "vllm_router_port": int(port)})
+    return cfg.model_copy(update={"placement": placement})
 
 
 def _unshared(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -68,8 +75,11 @@ class ServerActor:
         host = listen_host(multi_node)
         port = free_port(host)
         argv = server_argv(settings, device_kind, engine_max_model_len(settings), host, port)
-        self.server = ServerProcess("vllm-server", argv, f"http://{host}:{port}", "/health",
-                                    env={**server_env, "VLLM_SERVER_DEV_MODE": "1"})
+        env = {**server_env, "VLLM_SERVER_DEV_MODE": "1"}
+        if device_kind == "cpu":  # the in-process engine's share of the cores (Ray gives a 1-CPU actor 1 thread)
+            cores = len(os.sched_getaffinity(0))
+            env["OMP_NUM_THREADS"] = str(cpu_threads(cores, cfg.rollout_engines, cfg.placement.async_rollout))
+        self.server = ServerProcess("vllm-server", argv, f"http://{host}:{port}", "/health", env=env)
         self._http = httpx.Client(base_url=self.server.url, timeout=SYNC_TIMEOUT_S)
         self._set_version(0)  # the weights it loaded from --hf-checkpoint (vLLM names them "default")
 
@@ -158,7 +168,7 @@ class ServerRolloutGroup(RolloutGroup):
                 router.add(url)
             settings = engine_settings(cfg, kv_cache_bytes)
             dispatcher = ray.remote(Dispatcher).options(num_cpus=0).remote(
-                cfg, RouterAddress(router.url, tuple(urls)), engine_max_model_len(settings))
+                with_router(cfg, router.url), RouterAddress(router.url, tuple(urls)), engine_max_model_len(settings))
             return cls(dispatcher, servers, urls, router, placement)
         except BaseException:
             cls._stop(servers, urls, router)

@@ -19,11 +19,13 @@ from typing import Any
 
 import httpx
 
+from vime_engine.plugins import generate_api
 from vime_engine.rollout.vllm_engine import Completion, Request, SamplingSettings
 from vime_engine.sample import SampleStatus
 
 # Requests in flight at once (vime's --vllm-server-concurrency default); more wait in the pool's queue.
 MAX_IN_FLIGHT = 512
+_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
 @dataclass(frozen=True)
@@ -36,30 +38,17 @@ class RouterAddress:
 
 def generate_payload(request: Request, sampling: SamplingSettings) -> dict[str, Any]:
     """The `/inference/v1/generate` body of one request: its token ids, seed and sampling settings, with the
-    sampled tokens' log-probs (after temperature scaling, as the server runs with processed log-probs)."""
-    return {
-        "request_id": request.key,
-        "token_ids": list(request.prompt_token_ids),
-        "sampling_params": {
-            "max_tokens": request.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-            "top_k": sampling.top_k, "seed": request.seed, "logprobs": 0, "detokenize": False,
-        },
-    }
+    sampled tokens' log-probs (generate_api says how)."""
+    settings = {"max_tokens": request.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "top_k": sampling.top_k}
+    return generate_api.request_body(request.prompt_token_ids, settings, request.seed, request_id=request.key)
 
 
 def parse_completion(key: str, body: dict[str, Any]) -> tuple[Completion, str | None]:
     """A `/inference/v1/generate` response as a Completion, with the weight version the server generated it on
     (None when it reports none)."""
-    choice = body["choices"][0]
-    tokens = list(choice.get("token_ids") or [])
-    log_probs = [entry["logprob"] for entry in ((choice.get("logprobs") or {}).get("content") or [])]
-    if len(log_probs) != len(tokens):
-        raise RuntimeError(f"the server answered request {key} with {len(tokens)} tokens but {len(log_probs)} "
-                           "log-probs: is it vLLM's /inference/v1/generate?")
-    reason = choice.get("finish_reason")
-    status = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}.get(reason, SampleStatus.COMPLETED)
-    spans = choice.get("weight_versions") or []
-    return Completion(key, tokens, log_probs, status), (spans[-1]["version"] if spans else None)
+    out = generate_api.read_response(body, f"request {key}")
+    return Completion(key, out.token_ids, out.log_probs, _STATUS[out.finish_reason]), out.weight_version
 
 
 class RouterEngine:
@@ -84,7 +73,7 @@ class RouterEngine:
 
     def _post(self, request: Request, sampling: SamplingSettings) -> Completion:
         group = request.key.split("/")[0]
-        response = self._http.post(self.address.url + "/inference/v1/generate",
+        response = self._http.post(self.address.url + generate_api.PATH,
                                    json=generate_payload(request, sampling), headers={"x-session-id": group})
         if response.status_code != 200:
             raise RuntimeError(f"the router answered request {request.key} with HTTP {response.status_code}: "
