@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from vime_engine.rewards.server import send_json
+
 ROUTE = "/retrieve"
 DEFAULT_TOPK = 3
 _WORD = re.compile(r"[a-z0-9]+")
@@ -83,12 +85,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(200, {"passages": retrieve(self.server.corpus, query, topk)})
 
     def _answer(self, status: int, body: dict[str, object]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, body)
 
     def log_message(self, format: str, *args: object) -> None:
         """Quiet: a rollout queries it once per search."""

@@ -96,15 +96,20 @@ class _RewardHandler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _answer(self, status: int, body: Any) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, body)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         pass  # one line per request would drown the console; errors go back to the client in the body
+
+
+def send_json(handler: BaseHTTPRequestHandler, status: int, body: Any) -> None:
+    """Answer `handler`'s request with `body` as JSON (the reward server's and the retrieval server's answers)."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
 
 
 def _parse(body: bytes) -> dict[str, Any]:

@@ -104,14 +104,6 @@ class RouterEngine:
         wait(self._in_flight)
         return [self._collect(future) for future in list(self._in_flight)]
 
-    def generate(self, requests: list[Request], sampling: SamplingSettings) -> list[Completion]:
-        """Every request run to completion, in request order."""
-        self.submit(requests, sampling)
-        done: dict[str, Completion] = {}
-        while self.running:
-            done.update((c.key, c) for c in self.step())
-        return [done[r.key] for r in requests]
-
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
