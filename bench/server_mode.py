@@ -41,7 +41,7 @@ def start_server(model: str):
     from vime_engine.rollout.server.vllm_server import ServerProcess, free_port, server_argv
 
     port = free_port("127.0.0.1")
-    return ServerProcess("vllm-server", server_argv(settings(model), "cpu", 512, "127.0.0.1", port),
+    return ServerProcess("vllm-server", server_argv(settings(model), "cpu", "127.0.0.1", port),
                          f"http://127.0.0.1:{port}", "/health", env={**CPU.actor_env, "VLLM_SERVER_DEV_MODE": "1"})
 
 

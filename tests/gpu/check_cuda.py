@@ -84,7 +84,7 @@ def phase_rollout(model: str, work: Path, two_gpus: bool) -> None:
     engine = VLLMEngine(EngineSettings(model_path=model, dtype="bfloat16", gpu_memory_utilization=0.3))
     vllm_config = engine.llm.llm_engine.vllm_config  # what vLLM made of the arguments, not just what it was given
     (work / "engine.json").write_text(json.dumps({
-        "kwargs": engine.engine_kwargs, "cudagraph_mode": str(vllm_config.compilation_config.cudagraph_mode),
+        "kwargs": engine.engine_args, "cudagraph_mode": str(vllm_config.compilation_config.cudagraph_mode),
         "enforce_eager": vllm_config.model_config.enforce_eager,
         "prefix_caching": vllm_config.cache_config.enable_prefix_caching,
         "chunked_prefill": vllm_config.scheduler_config.enable_chunked_prefill,

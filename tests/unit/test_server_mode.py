@@ -28,8 +28,8 @@ def _flag_values(argv: list[str]) -> dict[str, str | None]:
 
 
 def test_a_cpu_server_runs_the_in_process_engine_with_the_server_endpoints():
-    settings = EngineSettings("/models/m", seed=7, kv_cache_bytes=2**28, tensor_parallel_size=2)
-    flags = _flag_values(server_argv(settings, "cpu", 512, "127.0.0.1", 8100))
+    settings = EngineSettings("/models/m", max_model_len=512, seed=7, kv_cache_bytes=2**28, tensor_parallel_size=2)
+    flags = _flag_values(server_argv(settings, "cpu", "127.0.0.1", 8100))
     assert flags["--model"] == "/models/m" and flags["--seed"] == "7" and flags["--max-model-len"] == "512"
     assert flags["--tensor-parallel-size"] == "2" and flags["--kv-cache-memory-bytes"] == str(2**28)
     assert flags["--logprobs-mode"] == "processed_logprobs"  # the trainer's log_softmax(logits / T)
@@ -42,13 +42,15 @@ def test_a_cpu_server_runs_the_in_process_engine_with_the_server_endpoints():
 
 
 def test_an_accelerator_server_keeps_the_devices_choices_and_the_users():
-    flags = _flag_values(server_argv(EngineSettings("/m", tuning=DeviceTuning(enable_prefix_caching=False)),
-                                     "cuda", 4096, "10.0.0.2", 8100))
+    flags = _flag_values(server_argv(
+        EngineSettings("/m", max_model_len=4096, tuning=DeviceTuning(enable_prefix_caching=False)),
+        "cuda", "10.0.0.2", 8100))
     assert "--enforce-eager" not in flags and "--enable-chunked-prefill" in flags
     assert "--no-enable-prefix-caching" in flags  # the user's --vllm-enable-prefix-caching false
     assert "--kv-cache-memory-bytes" not in flags and "--max-num-batched-tokens" not in flags
     with pytest.raises(ValueError, match="--vllm-enable-chunked-prefill"):
-        server_argv(EngineSettings("/m", tuning=DeviceTuning(enable_chunked_prefill=True)), "cpu", 512, "h", 1)
+        server_argv(EngineSettings("/m", max_model_len=512, tuning=DeviceTuning(enable_chunked_prefill=True)),
+                    "cpu", "h", 1)
 
 
 def test_the_router_starts_with_vimes_policy_and_timeout():

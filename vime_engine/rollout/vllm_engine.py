@@ -131,28 +131,10 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        extra = {}
-        if settings.kv_cache_bytes is not None:
-            extra["kv_cache_memory_bytes"] = settings.kv_cache_bytes
-        if settings.distributed_executor_backend is not None:
-            extra["distributed_executor_backend"] = settings.distributed_executor_backend
-        if settings.enable_sleep_mode and current_platform.is_sleep_mode_available():
-            extra["enable_sleep_mode"] = True
-        max_model_len = engine_max_model_len(settings)
-        self.max_model_len = max_model_len  # prompt + response tokens a request may hold
-        self.engine_kwargs = device_engine_kwargs(current_platform.device_type, settings.tuning, max_model_len)
-        self.llm = LLM(
-            model=settings.model_path,
-            dtype=settings.dtype,
-            seed=settings.seed,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            # Log-probs after temperature scaling: the trainer computes log_softmax(logits / T) to match.
-            logprobs_mode="processed_logprobs",
-            **self.engine_kwargs,
-            **extra,
-        )
+        self.engine_args = vllm_engine_args(settings, current_platform.device_type,
+                                            current_platform.is_sleep_mode_available())
+        self.max_model_len = self.engine_args["max_model_len"]  # prompt + response tokens a request may hold
+        self.llm = LLM(**self.engine_args)
         self.weight_version = 0
         self._so_far: dict[str, tuple[list[int], list[float]]] = {}  # running requests' tokens and log-probs
 
@@ -216,6 +198,29 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.weight_version = version
         return time.perf_counter() - start
+
+
+def vllm_engine_args(settings: EngineSettings, device_kind: str, sleep_mode_available: bool) -> dict[str, Any]:
+    """vLLM's engine arguments for `settings` on `device_kind`: what VLLMEngine passes to `LLM`, and what the server
+    mode passes to `vllm serve` as flags (vime_engine/rollout/server/vllm_server.py), so both build one engine.
+    The device's choices come from `device_engine_kwargs` (whose ValueError this raises); sleep mode only where
+    the platform has it."""
+    max_model_len = engine_max_model_len(settings)
+    args: dict[str, Any] = {
+        "model": settings.model_path, "dtype": settings.dtype, "seed": settings.seed, "max_model_len": max_model_len,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        # Log-probs after temperature scaling: the trainer computes log_softmax(logits / T) to match.
+        "logprobs_mode": "processed_logprobs",
+        **device_engine_kwargs(device_kind, settings.tuning, max_model_len),
+    }
+    if settings.kv_cache_bytes is not None:
+        args["kv_cache_memory_bytes"] = settings.kv_cache_bytes
+    if settings.distributed_executor_backend is not None:
+        args["distributed_executor_backend"] = settings.distributed_executor_backend
+    if settings.enable_sleep_mode and sleep_mode_available:
+        args["enable_sleep_mode"] = True
+    return args
 
 
 def engine_max_model_len(settings: EngineSettings) -> int:

@@ -165,6 +165,16 @@ def share_groups(
     return resumed_to, fresh_counts
 
 
+def reserve_engine_bundles(cfg: EngineConfig, accel: Accelerator) -> PlacementGroup:
+    """A placement group of one bundle per engine, each of `--rollout-num-gpus-per-engine` devices, packed onto as
+    few nodes as the cluster allows; a cluster that cannot hold them is refused naming the flags (reserve)."""
+    per_engine, count = cfg.rollout.rollout_num_gpus_per_engine, cfg.rollout_engines
+    bundle = bundle_resources(accel, per_engine)
+    asked = (f"--rollout-num-gpus {count * per_engine} = {count} engine(s) × --rollout-num-gpus-per-engine "
+             f"{per_engine} ({describe(bundle)} each)")
+    return reserve([bundle] * count, "PACK", asked)
+
+
 @dataclass(frozen=True)
 class Share:
     """What one engine generates of a call: fresh records numbered from `first_group`, resumed groups."""
@@ -249,10 +259,7 @@ class RolloutGroup:
     def launch(cls, cfg: EngineConfig, accel: Accelerator, kv_cache_bytes: int | None) -> RolloutGroup:
         """`cfg.rollout_engines` RolloutActors, each in its own bundle of `--rollout-num-gpus-per-engine` devices."""
         per_engine, count = cfg.rollout.rollout_num_gpus_per_engine, cfg.rollout_engines
-        bundle = bundle_resources(accel, per_engine)
-        asked = (f"--rollout-num-gpus {count * per_engine} = {count} engine(s) × --rollout-num-gpus-per-engine "
-                 f"{per_engine} ({describe(bundle)} each)")
-        placement = reserve([bundle] * count, "PACK", asked)
+        placement = reserve_engine_bundles(cfg, accel)
         remote_class = ray.remote(concurrency_groups={HEALTH: 1})(RolloutActor)
 
         def start_engine(i: int) -> EngineHandle:

@@ -33,8 +33,8 @@ from vime_engine.rollout.server.router_engine import RouterAddress, RouterEngine
 from vime_engine.rollout.server.vllm_server import ServerProcess, free_port, server_argv
 from vime_engine.rollout.vllm_engine import engine_max_model_len
 from vime_engine.rollout.worker import RolloutWorker, engine_settings
-from vime_engine.runtime.placement import actor_resources, bundle_resources, describe, reserve
-from vime_engine.runtime.rollout_group import RolloutGroup
+from vime_engine.runtime.placement import actor_resources
+from vime_engine.runtime.rollout_group import RolloutGroup, reserve_engine_bundles
 
 # Where a server's new weights are written for its workers to read: memory, not disk, where Linux has it.
 WEIGHTS_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
@@ -46,10 +46,9 @@ def listen_host(multi_node: bool) -> str:
     return ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
 
 
-def with_router(cfg: EngineConfig, url: str) -> EngineConfig:
-    """`cfg` naming the router at `url` (`--vllm-router-ip/-port`), so that plugins find it in `args` as in vime."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    placement = cfg.placement.model_copy(update={"vllm_router_ip": host, "vllm_router_port": int(port)})
+def with_router(cfg: EngineConfig, router: Router) -> EngineConfig:
+    """`cfg` naming `router` (`--vllm-router-ip/-port`), so that plugins find it in `args` as in vime."""
+    placement = cfg.placement.model_copy(update={"vllm_router_ip": router.host, "vllm_router_port": router.port})
     return cfg.model_copy(update={"placement": placement})
 
 
@@ -71,10 +70,9 @@ class ServerActor:
 
     def __init__(self, cfg: EngineConfig, device_kind: str, kv_cache_bytes: int | None, multi_node: bool,
                  server_env: dict[str, str]):
-        settings = engine_settings(cfg, kv_cache_bytes)
         host = listen_host(multi_node)
         port = free_port(host)
-        argv = server_argv(settings, device_kind, engine_max_model_len(settings), host, port)
+        argv = server_argv(engine_settings(cfg, kv_cache_bytes), device_kind, host, port)
         env = {**server_env, "VLLM_SERVER_DEV_MODE": "1"}
         if device_kind == "cpu":  # the in-process engine's share of the cores (Ray gives a 1-CPU actor 1 thread)
             cores = len(os.sched_getaffinity(0))
@@ -123,7 +121,8 @@ class ServerActor:
 class Dispatcher(RolloutWorker):
     """The driver's one engine in server mode: rounds generated through the router."""
 
-    def __init__(self, cfg: EngineConfig, address: RouterAddress, max_model_len: int):
+    def __init__(self, cfg: EngineConfig, address: RouterAddress):
+        max_model_len = engine_max_model_len(engine_settings(cfg, kv_cache_bytes=None))
         timeout = cfg.placement.vllm_router_request_timeout_secs
         super().__init__(cfg, engine=RouterEngine(address, max_model_len, timeout))
 
@@ -144,11 +143,7 @@ class ServerRolloutGroup(RolloutGroup):
     @classmethod
     def launch(cls, cfg: EngineConfig, accel: Accelerator, kv_cache_bytes: int | None,
                multi_node: bool) -> ServerRolloutGroup:
-        per_engine, count = cfg.rollout.rollout_num_gpus_per_engine, cfg.rollout_engines
-        bundle = bundle_resources(accel, per_engine)
-        asked = (f"--rollout-num-gpus {count * per_engine} = {count} server(s) × --rollout-num-gpus-per-engine "
-                 f"{per_engine} ({describe(bundle)} each)")
-        placement = reserve([bundle] * count, "PACK", asked)
+        placement = reserve_engine_bundles(cfg, accel)
         p = cfg.placement
         router = Router.start_or_join(
             RouterOptions(p.vllm_router_ip, p.vllm_router_port, p.router_policy, p.vllm_router_request_timeout_secs),
@@ -160,15 +155,14 @@ class ServerRolloutGroup(RolloutGroup):
             env = dict(accel.actor_env)
             remote = ray.remote(ServerActor)
             servers = [remote.options(
-                **actor_resources(accel, per_engine),
+                **actor_resources(accel, cfg.rollout.rollout_num_gpus_per_engine),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement, i),
-            ).remote(cfg, accel.kind, kv_cache_bytes, multi_node, env) for i in range(count)]
+            ).remote(cfg, accel.kind, kv_cache_bytes, multi_node, env) for i in range(cfg.rollout_engines)]
             urls = ray.get([server.url.remote() for server in servers])
             for url in urls:
                 router.add(url)
-            settings = engine_settings(cfg, kv_cache_bytes)
             dispatcher = ray.remote(Dispatcher).options(num_cpus=0).remote(
-                with_router(cfg, router.url), RouterAddress(router.url, tuple(urls)), engine_max_model_len(settings))
+                with_router(cfg, router), RouterAddress(router.url, tuple(urls)))
             return cls(dispatcher, servers, urls, router, placement)
         except BaseException:
             cls._stop(servers, urls, router)
@@ -188,9 +182,10 @@ class ServerRolloutGroup(RolloutGroup):
     @staticmethod
     def _stop(servers: list, urls: list[str], router: Router) -> None:
         """Unregister and stop the servers, then the router if the run started it."""
-        for url in urls if router.process is None else []:  # an existing router outlives the run
-            with contextlib.suppress(Exception):
-                router.remove(url)
+        if router.process is None:  # an existing router outlives the run: only the servers leave it
+            for url in urls:
+                with contextlib.suppress(Exception):
+                    router.remove(url)
         with contextlib.suppress(Exception):
             ray.get([server.stop.remote() for server in servers], timeout=30)
         router.stop()

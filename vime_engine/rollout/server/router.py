@@ -36,26 +36,30 @@ def router_argv(options: RouterOptions, host: str, port: int) -> list[str]:
 
 
 class Router:
-    """The router the servers register with: `url` for clients, `add` / `remove` for servers."""
+    """The router the servers register with at host:port: `url` for clients, `add` / `remove` for servers."""
 
-    def __init__(self, url: str, process: ServerProcess | None = None):
-        self.url, self.process = url, process
+    def __init__(self, host: str, port: int, process: ServerProcess | None = None):
+        self.host, self.port, self.process = host, port, process
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
     @classmethod
     def start_or_join(cls, options: RouterOptions, host: str) -> Router:
         """The router at `--vllm-router-ip:port` if given (it must answer /health), else a new one on `host`."""
         if options.ip is not None:
-            url = f"http://{options.ip}:{options.port}"
+            router = cls(options.ip, options.port)
             try:
-                httpx.get(url + "/health", timeout=10).raise_for_status()
+                httpx.get(router.url + "/health", timeout=10).raise_for_status()
             except httpx.HTTPError as error:
                 raise RuntimeError(f"--vllm-router-ip {options.ip} --vllm-router-port {options.port}: no router "
-                                   f"answers {url}/health ({error}); start it first or leave both flags out") from error
-            return cls(url)
+                                   f"answers {router.url}/health ({error}); start it first or leave both flags "
+                                   "out") from error
+            return router
         port = free_port(host)
-        url = f"http://{host}:{port}"
-        return cls(url, ServerProcess("vllm-router", router_argv(options, host, port), url, "/health",
-                                      timeout_s=60))
+        return cls(host, port, ServerProcess("vllm-router", router_argv(options, host, port),
+                                             f"http://{host}:{port}", "/health", timeout_s=60))
 
     def add(self, server_url: str) -> None:
         httpx.post(self.url + "/add_worker", params={"url": server_url}, timeout=60).raise_for_status()

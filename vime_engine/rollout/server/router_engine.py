@@ -88,8 +88,8 @@ class RouterEngine:
         """Wait until at least one request has come back; every request that has."""
         if not self._in_flight:
             return []
-        done, _ = wait(self._in_flight, return_when=FIRST_COMPLETED)
-        return [self._collect(future) for future in list(self._in_flight) if future in done or future.done()]
+        wait(self._in_flight, return_when=FIRST_COMPLETED)
+        return [self._collect(future) for future in list(self._in_flight) if future.done()]
 
     def _collect(self, future: Future) -> Completion:
         del self._in_flight[future]

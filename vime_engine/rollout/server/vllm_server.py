@@ -25,40 +25,25 @@ from pathlib import Path
 
 import httpx
 
-from vime_engine.rollout.vllm_engine import EngineSettings, device_engine_kwargs
+from vime_engine.rollout.vllm_engine import EngineSettings, vllm_engine_args
 
 WEIGHT_EXTENSION = "vime_engine.rollout.server.weight_extension.WeightReloadExtension"
 START_TIMEOUT_S = 600.0
 _PR_SET_PDEATHSIG = 1
 
 
-def server_argv(settings: EngineSettings, device_kind: str, max_model_len: int, host: str, port: int) -> list[str]:
-    """The command line of `settings`' engine as an API server on host:port; the same engine as VLLMEngine builds
-    (device choices from `device_engine_kwargs`), plus the endpoints the server mode uses. Raises ValueError as
-    `device_engine_kwargs` does."""
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", settings.model_path, "--host", host, "--port", str(port),
-        "--dtype", settings.dtype, "--seed", str(settings.seed), "--max-model-len", str(max_model_len),
-        "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
-        "--tensor-parallel-size", str(settings.tensor_parallel_size),
-        "--logprobs-mode", "processed_logprobs",  # as in-process: log-probs after temperature scaling
-        "--enable-scale-out", "--worker-extension-cls", WEIGHT_EXTENSION,
-        "--disable-uvicorn-access-log",
-    ]
-    if settings.kv_cache_bytes is not None:
-        argv += ["--kv-cache-memory-bytes", str(settings.kv_cache_bytes)]
-    if settings.enable_sleep_mode and device_kind != "cpu":
-        argv.append("--enable-sleep-mode")
-    engine = device_engine_kwargs(device_kind, settings.tuning, max_model_len)
-    if engine["enforce_eager"]:
-        argv.append("--enforce-eager")
-    for name in ("enable_prefix_caching", "enable_chunked_prefill"):
-        flag = name.replace("_", "-")
-        argv.append(f"--{flag}" if engine[name] else f"--no-{flag}")
-    if "max_num_batched_tokens" in engine:
-        argv += ["--max-num-batched-tokens", str(engine["max_num_batched_tokens"])]
-    return argv
+def server_argv(settings: EngineSettings, device_kind: str, host: str, port: int) -> list[str]:
+    """The command line of `settings`' engine as an API server on host:port: the in-process engine's arguments
+    (`vllm_engine_args`, a bool as `--flag` / `--no-flag`), plus the endpoints the server mode uses. Sleep mode is
+    asked for on accelerators, where vLLM has it. Raises ValueError as `device_engine_kwargs` does."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port)]
+    for name, value in vllm_engine_args(settings, device_kind, sleep_mode_available=device_kind != "cpu").items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            argv += [flag, str(value)]
+    return argv + ["--enable-scale-out", "--worker-extension-cls", WEIGHT_EXTENSION, "--disable-uvicorn-access-log"]
 
 
 def free_port(host: str) -> int:
