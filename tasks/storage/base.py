@@ -85,6 +85,11 @@ class Storage(ABC):
     def put_bytes(self, key: str, data: bytes) -> None: ...
 
     @abstractmethod
+    def _create_bytes(self, key: str, data: bytes) -> bool:
+        """Write the object only where no object has `key`, decided by the service in the one request (S3's
+        If-None-Match, OBS's forbid-overwrite, a hard link); False when one has it."""
+
+    @abstractmethod
     def get_bytes(self, key: str) -> bytes:
         """Raises NotFoundError when the object does not exist."""
 
@@ -115,12 +120,22 @@ class Storage(ABC):
     def exists(self, key: str) -> bool:
         return self._retry(lambda: self._head(key)) is not None
 
+    def delete(self, keys: list[str]) -> None:
+        """Delete these objects (a missing one is no error)."""
+        if keys:
+            self._retry(lambda: self._delete_keys(keys))
+
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object under ``prefix`` (a directory-like prefix); returns how many."""
         keys = [o.key for o in self.list(dir_prefix(prefix))]
-        if keys:
-            self._retry(lambda: self._delete_keys(keys))
+        self.delete(keys)
         return len(keys)
+
+    def create_bytes(self, key: str, data: bytes) -> bool:
+        """Create `key` with `data` unless an object has it (then False, the object untouched). A retried request
+        whose first attempt landed reads as False too: a caller that must know writes something of its own in
+        `data` and reads it back."""
+        return self._retry(lambda: self._create_bytes(key, data))
 
     def read_json(self, key: str) -> Any:
         return json.loads(self._retry(lambda: self.get_bytes(key)))

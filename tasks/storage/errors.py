@@ -19,6 +19,7 @@ T = TypeVar("T")
 _TRANSIENT_CODES = {
     "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling", "ThrottlingException",
     "RequestTimeTooSkewed", "OperationAborted",
+    "ConditionalRequestConflict",  # S3: a conditional write raced another to the same key; ask again
 }
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NotFound", "404"}
 _REFUSED_HINT = "check the access key, its secret and the bucket policy"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 
 from vime_engine.checkpoint.manifest import FileDigest, check_relpath
@@ -66,6 +67,21 @@ class LocalStorage(Storage):
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._write(key, lambda tmp: tmp.write_bytes(data))
+
+    def _create_bytes(self, key: str, data: bytes) -> bool:
+        dest = self._path(key)
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.link(tmp, dest)  # whole or not at all, and never over an existing file
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise PermanentStorageError("create", self.uri(key), message=exc.strerror or str(exc)) from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        return True
 
     def get_bytes(self, key: str) -> bytes:
         p = self._path(key)

@@ -34,6 +34,9 @@ from tasks.storage.multipart import PartInfo, md5_b64, upload_resumable
 _ENV_AK = ("OBS_ACCESS_KEY_ID", "HUAWEICLOUD_SDK_AK", "AccessKeyID")
 _ENV_SK = ("OBS_SECRET_ACCESS_KEY", "HUAWEICLOUD_SDK_SK", "SecretAccessKey")
 _ENV_TOKEN = ("OBS_SECURITY_TOKEN", "HUAWEICLOUD_SDK_SECURITY_TOKEN")
+# OBS's create-only PUT: an object the key already names is kept and the request answered 409 ObjectAlreadyExists
+# (OBS does not take S3's If-None-Match).
+FORBID_OVERWRITE = "x-obs-forbid-overwrite"
 
 
 def _first_env(names: tuple[str, ...]) -> str | None:
@@ -142,6 +145,18 @@ class ObsStorage(Storage):
         headers = PutObjectHeader(md5=md5_b64(hashlib.md5(data).hexdigest()))
         self._call("put", key, lambda: self._client.putContent(self.bucket, self._key(key), content=data,
                                                                headers=headers))
+
+    def _create_bytes(self, key: str, data: bytes) -> bool:
+        headers = PutObjectHeader(md5=md5_b64(hashlib.md5(data).hexdigest()))
+        try:
+            self._call("create", key, lambda: self._client.putContent(
+                self.bucket, self._key(key), content=data, headers=headers,
+                extensionHeaders={FORBID_OVERWRITE: "true"}))
+        except PermanentStorageError as exc:
+            if exc.status == 409 and exc.code == "ObjectAlreadyExists":
+                return False
+            raise
+        return True
 
     def get_bytes(self, key: str) -> bytes:
         resp = self._call("get", key, lambda: self._client.getObject(self.bucket, self._key(key),

@@ -148,6 +148,17 @@ class S3Storage(Storage):
         self._call("put", key, lambda: self._client.put_object(
             Bucket=self.bucket, Key=self._key(key), Body=data, ContentMD5=md5_b64(hashlib.md5(data).hexdigest())))
 
+    def _create_bytes(self, key: str, data: bytes) -> bool:
+        try:
+            self._call("create", key, lambda: self._client.put_object(
+                Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*",
+                ContentMD5=md5_b64(hashlib.md5(data).hexdigest())))
+        except PermanentStorageError as exc:
+            if exc.status == 412:  # PreconditionFailed: the key exists
+                return False
+            raise
+        return True
+
     def get_bytes(self, key: str) -> bytes:
         return self._call("get", key, lambda: self._client.get_object(Bucket=self.bucket, Key=self._key(key))
                           ["Body"].read())

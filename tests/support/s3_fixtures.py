@@ -25,6 +25,34 @@ TEST_ACCESS_KEY = "AKIAVIMEFLOWTEST0001"
 TEST_SECRET_KEY = "vimeflow-test-secret-Zq8r7T2x9"
 
 
+class ObsForbidOverwrite:
+    """OBS's create-only PUT on the S3 server moto is: a PUT with `x-obs-forbid-overwrite: true` is served as S3's
+    `If-None-Match: *` and moto's refusal (412 PreconditionFailed) answered as OBS answers (409 ObjectAlreadyExists).
+    moto speaks S3 only; OBS takes its own header instead of S3's."""
+
+    def __init__(self, app):
+        self.app = app
+
+    def __call__(self, environ, start_response):
+        if environ.get("REQUEST_METHOD") != "PUT" or environ.get("HTTP_X_OBS_FORBID_OVERWRITE", "").lower() != "true":
+            return self.app(environ, start_response)
+        environ["HTTP_IF_NONE_MATCH"] = "*"
+        answer: dict = {}
+
+        def keep(status, headers, exc_info=None):
+            answer.update(status=status, headers=headers)
+            return lambda data: None
+
+        body = b"".join(self.app(environ, keep))
+        if answer["status"].startswith("412"):
+            body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ObjectAlreadyExists</Code>'
+                    b"<Message>The object already exists.</Message></Error>")
+            start_response("409 Conflict", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
+            return [body]
+        start_response(answer["status"], answer["headers"])
+        return [body]
+
+
 def _s3_only_moto_server():
     """A threaded moto server that serves S3 to every request, as `moto_server s3` does.
 
@@ -49,8 +77,8 @@ def _s3_only_moto_server():
 
     class S3OnlyServer(ThreadedMotoServer):
         def _server_entry(self) -> None:  # ThreadedMotoServer's own, with the dispatcher above
-            self._server = make_server(self._ip_address, self._port, S3Dispatcher(create_backend_app), True,
-                                       request_handler=MotoRequestHandler)
+            app = ObsForbidOverwrite(S3Dispatcher(create_backend_app))
+            self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
             self._server_ready_event.set()
             self._server.serve_forever()
 
