@@ -247,6 +247,7 @@ def run(
     from tasks.engine_job.process import STREAM_ENGINE_OUTPUT, EngineConfigFailure
     from tasks.images import ImageCheckError
     from tasks.storage.errors import PermanentStorageError
+    from tasks.storage.lease import LeaseHeld
 
     following = contextlib.nullcontext()
     if verbose:
@@ -261,7 +262,7 @@ def run(
         with following:
             outcome = rl_pipeline(**params.as_flow_kwargs())
     except Exception as exc:  # noqa: BLE001  (Prefect has logged the failed task; here one message)
-        raise _fail(exc, verbose, (EngineConfigFailure, PermanentStorageError, ImageCheckError)) from None
+        raise _fail(exc, verbose, (EngineConfigFailure, PermanentStorageError, ImageCheckError, LeaseHeld)) from None
     for line in _summary_lines(outcome.summary):
         console.print(line, highlight=False)
     console.print(f"report: [bold]{outcome.report_uri}[/bold]", soft_wrap=True, highlight=False)

@@ -5,16 +5,25 @@ given address. Its local checkpoint directory is stable per run, so a chunk kill
 last in-chunk checkpoint; the chunk's end checkpoint is committed to the storage root, and the returned
 ChunkOutcome is persisted there too. Cache key = input checkpoint manifest hash + config hash + rollout
 range: a re-run of the flow gets finished chunks back `Cached` and trains only what is missing.
+
+On an object-store root (s3://, obs://) a chunk holds the run's lease (tasks/storage/lease.py) from its start to its
+end, so two flow runs of one run, or two attempts of one chunk on different machines, never both write its
+checkpoints: the second is refused naming the holder, or takes over once a preempted holder's lease ended. A
+file:// root's chunks are kept apart by the engine's own lock on the work directory's --save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger, runtime, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from tasks.engine_job.checkpoint_history import fetch_history, open_checkpoint, upload_history
@@ -22,11 +31,13 @@ from tasks.engine_job.layout import EngineJob, RunLayout, localize
 from tasks.engine_job.messages import TrainJob, TrainResult
 from tasks.engine_job.process import is_infrastructure_failure, run_engine_job
 from tasks.storage import join_key, open_storage
+from tasks.storage.lease import Holder, StorageLease
 from vime_engine.checkpoint import store as ckpt
 
 # Attributes of this task's log records, beside the message, for a console that follows the run in process.
 ROLLOUT_RECORD = "vimeflow_rollout"  # the metrics record of one rollout (or evaluation)
 ENGINE_LOG_FILE = "vimeflow_engine_log"  # where the engine's and its workers' output goes
+CHUNK_LEASE = "chunk-lease"  # under the run's prefix
 
 
 @dataclass(frozen=True)
@@ -84,11 +95,28 @@ def _ensure_input_checkpoint(save_dir: Path, previous: ChunkOutcome | None) -> N
     (save_dir / ckpt.LATEST).write_text(target.name)
 
 
+def writer_lease(layout: RunLayout, start: int) -> StorageLease | None:
+    """The run's lease for this chunk on an object-store root; None on a file:// root."""
+    if urlparse(layout.storage_root).scheme.lower() not in ("s3", "obs"):
+        return None
+    run = f"flow run {runtime.flow_run.name!r} ({runtime.flow_run.id}), train_chunk from rollout {start}"
+    return StorageLease(open_storage(layout.storage_root), join_key(layout.run_prefix, CHUNK_LEASE),
+                        Holder(run=run, host=socket.gethostname(), pid=os.getpid()),
+                        fix=f"wait for it to end, or give this run another storage.run_name than {layout.run_name!r}")
+
+
 @task(name="train_chunk", task_run_name="train_chunk-from-{start}", persist_result=True,
       cache_key_fn=chunk_cache_key, retries=3, retry_delay_seconds=2, retry_condition_fn=is_infrastructure_failure)
 def train_chunk(job: EngineJob, layout: RunLayout, start: int, count: int,
                 previous: ChunkOutcome | None) -> ChunkOutcome:
     """Train rollouts start … start+count-1 from `previous` (or the initial model) and commit the end checkpoint."""
+    lease = writer_lease(layout, start)
+    with lease or contextlib.nullcontext():
+        return _train_chunk(job, layout, start, count, previous, lease)
+
+
+def _train_chunk(job: EngineJob, layout: RunLayout, start: int, count: int, previous: ChunkOutcome | None,
+                 lease: StorageLease | None) -> ChunkOutcome:
     logger = get_run_logger()
     flags = localize(job, layout)
     save_dir = Path(flags["save"])
@@ -117,6 +145,8 @@ def train_chunk(job: EngineJob, layout: RunLayout, start: int, count: int,
     last = value.last_rollout
     key = join_key(layout.run_prefix, "checkpoints", ckpt.checkpoint_dir(Path("."), last).name)
     root = open_storage(layout.storage_root)
+    if lease is not None:
+        lease.ensure_held()  # before this chunk's first write to the storage root
     upload_history(root, key, ckpt.validate(Path(value.checkpoint_path), content=False))
     manifest = root.commit_tree(Path(value.checkpoint_path), key,
                                 meta={"rollout_id": last, "engine_manifest_sha256": value.manifest_sha256})

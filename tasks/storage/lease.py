@@ -36,6 +36,7 @@ log = logging.getLogger("vimeflow.storage")
 LEASE_SECONDS = 120.0  # a renewal that fails for this long (storage retries and timeouts included) loses the lease
 RENEW_EVERY = LEASE_SECONDS / 4
 CLOCK_GRACE = 15.0  # how far the clocks of two hosts may disagree
+POLL_SECONDS = 2.0  # a waiting contender reads the lease this often (a few small requests each time)
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class StorageLease:
                 first_seen = current
                 log.info("%s is held (%s); waiting to see whether its holder renews it",
                          self.storage.uri(self.prefix), current.describe())
-            time.sleep(max(0.05, min(self.renew_every / 3, current.lease_end + self.grace - now)))
+            time.sleep(max(0.05, min(POLL_SECONDS, self.renew_every / 3, current.lease_end + self.grace - now)))
 
     def ensure_held(self) -> None:
         """Raise LeaseLost unless this holder's lease is live and no successor took it."""

@@ -3,6 +3,8 @@ real child process, Prefect's retry decision on it, and the regression diff."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from flows.params import PipelineParams
@@ -105,3 +107,39 @@ def test_a_flow_run_that_keeps_crashing_is_not_rerun_forever():
         refuse_endless_reruns(run_count)
     with pytest.raises(RuntimeError, match=f"started {CRASH_RERUN_LIMIT + 2} times"):
         refuse_endless_reruns(CRASH_RERUN_LIMIT + 2)
+
+
+def test_a_chunk_on_an_object_store_is_refused_while_another_run_holds_the_runs_lease(prefect_harness, moto_endpoint,
+                                                                                      make_bucket, monkeypatch,
+                                                                                      tmp_path):
+    """train_chunk takes the run's lease before it fetches or starts anything (tasks/storage/lease.py is tested on
+    its own in tests/component/test_storage_lease.py)."""
+    from prefect import flow
+
+    from tasks.engine_job.layout import DatasetRef, EngineJob, make_layout
+    from tasks.storage import join_key, open_storage
+    from tasks.storage.lease import Holder, LeaseHeld, StorageLease
+    from tasks.train_chunk import CHUNK_LEASE, train_chunk
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    monkeypatch.setenv("S3_ADDRESSING_STYLE", "path")
+    monkeypatch.setenv("VIMEFLOW_CACHE", str(tmp_path / "cache"))
+    layout = make_layout(f"s3://{make_bucket()}", "busy")
+    job = EngineJob(flags={"rollout-batch-size": 4}, num_rollouts=2, model_uri=f"{layout.storage_root}/models/m",
+                    model_manifest_hash="a" * 64, train_data=DatasetRef("train", f"{layout.storage_root}/d", "b" * 64,
+                                                                        None))
+
+    @flow
+    def one_chunk() -> None:
+        train_chunk(job, layout, 0, 2, None)
+
+    other = StorageLease(open_storage(layout.storage_root), join_key(layout.run_prefix, CHUNK_LEASE),
+                         Holder("flow run 'first'", "node-a", 4242), lease_seconds=2.0, renew_every=0.3, grace=0.3)
+    with other:
+        state = one_chunk(return_state=True)
+    assert state.is_failed()
+    with pytest.raises(LeaseHeld, match=r"runs/busy/chunk-lease is in use by another run \(flow run 'first', on host "
+                                        r"node-a, pid 4242, lease until .*\): wait for it to end, or give this run "
+                                        r"another storage.run_name than 'busy'"):
+        state.result()
+    assert not Path(layout.work_dir, "assets").exists()  # nothing fetched, no engine started
