@@ -237,16 +237,19 @@ def run(
     """The whole pipeline (stage → convert → train in chunks → evaluate → publish) on the embedded default or
     --config; Prefect's ephemeral API unless PREFECT_API_URL is set. Re-running resumes where it stopped."""
     from flows.params import load_params
+    from tasks.storage import open_storage
+    from tasks.storage.errors import PermanentStorageError
 
     try:
         params = load_params(config)
+        # A missing bucket or refused credentials: one message now, not a failed task per stage after Prefect's start.
+        open_storage(params.storage.resolved_root()).check_root()
     except Exception as exc:  # noqa: BLE001
-        raise _fail(exc, verbose, (OSError,)) from None
+        raise _fail(exc, verbose, (OSError, PermanentStorageError)) from None
     from flows.console_view import LiveView, PipelineFollower, quiet_environment
     from flows.rl_pipeline import chunk_ranges, rl_pipeline
     from tasks.engine_job.process import STREAM_ENGINE_OUTPUT, EngineConfigFailure
     from tasks.images import ImageCheckError
-    from tasks.storage.errors import PermanentStorageError
     from tasks.storage.lease import LeaseHeld
 
     following = contextlib.nullcontext()

@@ -25,7 +25,7 @@ from vime_engine.checkpoint.manifest import (
     sha256_file,
 )
 from tasks.storage.errors import (
-    IntegrityError, NotFoundError, PermanentStorageError, with_retries,
+    MISSING_BUCKET, IntegrityError, NotFoundError, PermanentStorageError, with_retries,
 )
 
 log = logging.getLogger("vimeflow.storage")
@@ -95,6 +95,11 @@ class Storage(ABC):
 
     @abstractmethod
     def _delete_keys(self, keys: list[str]) -> None: ...
+
+    @abstractmethod
+    def check_root(self) -> None:
+        """Raise PermanentStorageError, in one request, where the root cannot be used at all: a bucket that does not
+        exist, credentials the service refuses, a directory that cannot be made. (Rights to write are not probed.)"""
 
     # ---- small helpers ------------------------------------------------------------------------------------
     def uri(self, key: str = "") -> str:
@@ -235,8 +240,7 @@ class Storage(ABC):
         except NotFoundError as exc:
             if exc.code == "NoSuchBucket":  # not "nothing committed yet": nothing can be written there either
                 raise PermanentStorageError("read_manifest", self.uri(prefix), status=exc.status, code=exc.code,
-                                            message="the bucket does not exist: create it or fix the storage "
-                                                    "root") from None
+                                            message=MISSING_BUCKET) from None
             raise NotFoundError("read_manifest", self.uri(prefix), status=exc.status, code=exc.code,
                                 message="no manifest.json: the tree is not committed (or not complete)") from None
         try:

@@ -23,6 +23,7 @@ _TRANSIENT_CODES = {
 }
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NotFound", "404"}
 _REFUSED_HINT = "check the access key, its secret and the bucket policy"
+MISSING_BUCKET = "the bucket does not exist: create it or fix the storage root"
 
 
 class StorageError(Exception):

@@ -89,6 +89,15 @@ class LocalStorage(Storage):
             raise NotFoundError("get", self.uri(key), code="NoSuchKey")
         return p.read_bytes()
 
+    def check_root(self) -> None:
+        existing = next(p for p in (self.root, *self.root.parents) if p.exists())
+        if not existing.is_dir():
+            raise PermanentStorageError("check", self.uri(), code="NotADirectory",
+                                        message=f"{existing} is a file, so no directory can be made under it")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise PermanentStorageError("check", self.uri(), code="AccessDenied",
+                                        message=f"{existing} is not writable by this user")
+
     def _delete_keys(self, keys: list[str]) -> None:
         for k in keys:
             self._path(k).unlink(missing_ok=True)

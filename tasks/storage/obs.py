@@ -28,7 +28,9 @@ from obs import (
 
 from vime_engine.checkpoint.manifest import FileDigest
 from tasks.storage.base import ObjectInfo, Storage, join_key
-from tasks.storage.errors import PermanentStorageError, StorageError, TransientStorageError, classify
+from tasks.storage.errors import (
+    MISSING_BUCKET, NotFoundError, PermanentStorageError, StorageError, TransientStorageError, classify,
+)
 from tasks.storage.multipart import PartInfo, md5_b64, upload_resumable
 
 _ENV_AK = ("OBS_ACCESS_KEY_ID", "HUAWEICLOUD_SDK_AK", "AccessKeyID")
@@ -162,6 +164,13 @@ class ObsStorage(Storage):
         resp = self._call("get", key, lambda: self._client.getObject(self.bucket, self._key(key),
                                                                      loadStreamInMemory=True))
         return bytes(resp.body.buffer)
+
+    def check_root(self) -> None:
+        try:
+            self._retry(lambda: self._call("check", "", lambda: self._client.headBucket(self.bucket)))
+        except NotFoundError as exc:  # a HEAD has no body: its 404 is the bucket's
+            raise NotFoundError("check", self.uri(), status=exc.status, code="NoSuchBucket",
+                                message=MISSING_BUCKET) from None
 
     def _delete_keys(self, keys: list[str]) -> None:
         for i in range(0, len(keys), 1000):

@@ -27,7 +27,9 @@ from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
 from vime_engine.checkpoint.manifest import FileDigest
 from tasks.storage.base import ObjectInfo, Storage, join_key
-from tasks.storage.errors import PermanentStorageError, StorageError, TransientStorageError, classify
+from tasks.storage.errors import (
+    MISSING_BUCKET, NotFoundError, PermanentStorageError, StorageError, TransientStorageError, classify,
+)
 from tasks.storage.multipart import PartInfo, md5_b64, upload_resumable
 
 _TRANSIENT_BOTO = (bce.EndpointConnectionError, bce.ConnectionClosedError, bce.ReadTimeoutError,
@@ -162,6 +164,13 @@ class S3Storage(Storage):
     def get_bytes(self, key: str) -> bytes:
         return self._call("get", key, lambda: self._client.get_object(Bucket=self.bucket, Key=self._key(key))
                           ["Body"].read())
+
+    def check_root(self) -> None:
+        try:
+            self._retry(lambda: self._call("check", "", lambda: self._client.head_bucket(Bucket=self.bucket)))
+        except NotFoundError as exc:  # a HEAD has no body: its 404 is the bucket's
+            raise NotFoundError("check", self.uri(), status=exc.status, code="NoSuchBucket",
+                                message=MISSING_BUCKET) from None
 
     def _delete_keys(self, keys: list[str]) -> None:
         for i in range(0, len(keys), 1000):

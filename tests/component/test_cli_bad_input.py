@@ -4,6 +4,7 @@ and nothing started or written (the table of cases is tests/unit/test_bad_input.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _vimeflow(*args: str) -> subprocess.CompletedProcess:
+def _vimeflow(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env)
 
 
 @pytest.fixture
@@ -81,6 +82,34 @@ def test_run_refuses_bad_parameters_with_one_message(tmp_path, text, named):
     assert sum(line.startswith("error:") for line in run.stderr.splitlines()) == 1, run.stderr
     for part in named:
         assert part in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("case", ["missing-bucket", "refused-secret"])
+def test_run_refuses_an_unusable_storage_root_before_prefect_starts(case, tmp_path, moto_endpoint, moto_with_iam,
+                                                                    storage_env):
+    """A 403 or a missing bucket printed Prefect's lines for every stage's failed task, then the flow's, before its
+    one good line: the root is checked before Prefect starts."""
+    import boto3
+
+    env = {**os.environ, "S3_ADDRESSING_STYLE": "path"}
+    if case == "missing-bucket":
+        env["AWS_ENDPOINT_URL"], root = moto_endpoint, "s3://vf-no-such-bucket/runs"
+        named = ["check s3://vf-no-such-bucket/runs failed (status=404 code=NoSuchBucket)",
+                 "the bucket does not exist: create it or fix the storage root"]
+    else:  # a real key id with the wrong secret: moto checks the signature as S3 does
+        iam = moto_with_iam
+        boto3.client("s3", endpoint_url=iam.url, region_name="us-east-1", aws_access_key_id=iam.access_key,
+                     aws_secret_access_key=iam.secret_key).create_bucket(Bucket="vf-refused")
+        env.update(AWS_ENDPOINT_URL=iam.url, AWS_ACCESS_KEY_ID=iam.access_key, AWS_SECRET_ACCESS_KEY="not-the-secret")
+        root = "s3://vf-refused/runs"
+        named = ["check s3://vf-refused/runs failed (status=403", "check the access key, its secret and the bucket policy"]
+    (tmp_path / "pipeline.yaml").write_text(f"storage:\n  root: {root}\n")
+    run = _vimeflow("run", "--config", str(tmp_path / "pipeline.yaml"), env=env)
+    assert run.returncode == 2, run.stderr
+    assert run.stdout == "" and run.stderr.startswith("error: ") and len(run.stderr.splitlines()) == 1, run.stderr
+    for part in named:
+        assert part in run.stderr, run.stderr
+    assert "not-the-secret" not in run.stderr
 
 
 def test_train_refuses_truncated_weights_before_ray_starts(tmp_path, tiny_model, data):

@@ -157,6 +157,10 @@ def test_wrong_credentials_fail_fast_with_a_clear_error_and_no_manifest(kind, fa
     direct = boto3.client("s3", endpoint_url=fault_proxy.url)
     fault_proxy.allowed_keys = None
     assert direct.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0  # nothing, manifest least of all
+    fault_proxy.allowed_keys = {TEST_ACCESS_KEY}
+    with pytest.raises(PermanentStorageError, match=f"check {kind}://{bucket}/runs/r1 failed \\(status=403.*check "
+                                                    "the access key, its secret and the bucket policy"):
+        store.check_root()  # what `vimeflow run` asks before Prefect starts
 
 
 @pytest.mark.parametrize("kind", ["s3", "obs"])
@@ -167,6 +171,9 @@ def test_missing_bucket_is_a_permanent_not_found(kind, fault_proxy, storage_env,
     assert err.value.code == "NoSuchBucket" and "vf-no-such-bucket" in str(err.value)
     assert len(fault_proxy.log) <= 8  # failed at once, not after a retry loop per file
     assert TEST_SECRET_KEY not in str(err.value) and TEST_ACCESS_KEY not in str(err.value)
+    with pytest.raises(NotFoundError, match=f"check {kind}://vf-no-such-bucket/runs/r1 failed \\(status=404 "
+                                            "code=NoSuchBucket\\): the bucket does not exist"):
+        store.check_root()
 
 
 @pytest.mark.parametrize("kind", ["s3", "obs"])
@@ -221,3 +228,10 @@ def test_the_test_s3_endpoint_serves_an_obs_signature_that_holds_four_slashes(mo
     r = httpx.get(f"{moto_endpoint}/{bucket}/missing.json", headers={"Authorization": "OBS AK:ab/cd/ef/gh/ij="})
     assert r.status_code == 404, r.text
     assert "NoSuchKey" in r.text
+
+
+def test_a_file_root_that_cannot_be_made_is_refused_by_its_check(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(PermanentStorageError, match="a-file is a file, so no directory can be made under it"):
+        open_storage((tmp_path / "a-file" / "runs").as_uri()).check_root()
+    open_storage((tmp_path / "new" / "runs").as_uri()).check_root()  # made when first written
