@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.megatron.helpers import fixed_rollout, tiny_config
 from tests.support.tolerance import assert_fp32_close, fp32_tolerance, model_depth
+from vime_engine.checkpoint.finite import DivergenceError, NonFiniteCheckpoint
 from vime_engine.checkpoint.manifest import build_manifest
 from vime_engine.train.megatron_backend import MegatronTrainBackend
 from vime_engine.train.torch_backend import TorchTrainBackend
@@ -62,6 +64,25 @@ def test_resume_from_dist_checkpoint_is_exact(tiny_qwen3, tmp_path):
     resumed.train_rollout(samples)
     for name, tensor in _weights(resumed).items():
         assert torch.equal(tensor, uninterrupted[name]), name
+
+    # A diverged state is not saved, and a torch_dist checkpoint holding NaN (saved before saves refused it) is
+    # refused on load before any of it is applied.
+    with torch.no_grad():
+        next(resumed.model[0].parameters()).view(-1)[0] = float("nan")
+    with pytest.raises(DivergenceError, match=r"diverged: 1 tensors hold NaN or inf \(model0\.module\."):
+        resumed.save_state(tmp_path / "diverged")
+    assert not (tmp_path / "diverged").exists()
+    resumed.mm.save_torch_dist(resumed._sharded_state(is_loading=False), tmp_path / "diverged")
+    with pytest.raises(NonFiniteCheckpoint, match=r"diverged: \d+ tensors hold NaN or inf \(model\..*not resumed"):
+        first.load_state(tmp_path / "diverged", build_manifest(tmp_path / "diverged").files)
+    # torch_dist had loaded it in place: the trainer is as built again, as if no checkpoint had been there
+    source = load_file(tiny_qwen3 / "model.safetensors")
+    for name, tensor in source.items():
+        assert torch.equal(_weights(first)[name], tensor), name
+    fresh = MegatronTrainBackend(cfg)
+    first.train_rollout(samples)
+    fresh.train_rollout(samples)  # and its optimizer starts afresh too: the same step
+    assert all(torch.equal(tensor, _weights(fresh)[name]) for name, tensor in _weights(first).items())
 
 
 def test_weight_stream_and_save_hf(tiny_qwen3, tmp_path):

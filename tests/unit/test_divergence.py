@@ -43,6 +43,9 @@ def test_a_save_refuses_non_finite_tensors_before_writing_and_a_load_reports_the
     poisoned = {**good, "w": torch.tensor([[1.0, math.nan], [0.0, 1.0], [2.0, 3.0]]),
                 "b": torch.tensor([math.inf]).to(torch.bfloat16)}
     assert nonfinite_tensors(poisoned) == ["w", "b"]
+    # finite values whose sum overflows are finite; a loaded torch_dist state nests its tensors
+    nested = {"huge": torch.full((4,), 3e38), "optimizer": {"state": [{"exp_avg": torch.tensor([0.0, math.inf])}]}}
+    assert nonfinite_tensors(nested) == ["optimizer.state.0.exp_avg"]
     with pytest.raises(DivergenceError, match=r"x.safetensors: 2 of 4 tensors hold NaN or inf \(w, b\): the run "
                                               r"diverged, so this checkpoint is not saved"):
         write_tensors(tmp_path / "x.safetensors", poisoned)

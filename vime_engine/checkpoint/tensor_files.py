@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from vime_engine.checkpoint.finite import check_finite_load, refuse_nonfinite_save
+from vime_engine.checkpoint.finite import check_finite_load, nonfinite_tensors, refuse_nonfinite_save
 from vime_engine.checkpoint.manifest import ChecksumMismatch, FileEntry, LoadCheck
 
 _SLICE = 32 << 20  # write/read granularity: small enough for the hash thread to keep pace, large for syscalls
@@ -51,7 +51,7 @@ def write_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadat
     """Write `tensors` as a safetensors file, fsync it, and return its size and checksums (computed while writing).
 
     A NaN or inf in a floating-point tensor is refused (DivergenceError) before the file is opened."""
-    refuse_nonfinite_save(path, tensors)
+    refuse_nonfinite_save(path, nonfinite_tensors(tensors), len(tensors))
     ordered = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -118,7 +118,7 @@ def read_tensors(path: str | Path, expected: FileEntry | None = None) -> dict[st
         begin, end = spec["data_offsets"]
         dtype = _DTYPES[spec["dtype"]]
         out[name] = data[begin:end].view(dtype).view(spec["shape"])
-    check_finite_load(path, out)
+    check_finite_load(path, nonfinite_tensors(out))
     return out
 
 

@@ -30,6 +30,7 @@ from torch import Tensor
 from vime_engine.algorithms.estimators import ESTIMATORS
 from vime_engine.algorithms.token_log_probs import token_log_probs_and_entropy
 from vime_engine.config import EngineConfig
+from vime_engine.checkpoint.finite import check_finite_load, nonfinite_tensors, refuse_nonfinite_save
 from vime_engine.checkpoint.manifest import ChecksumMismatch, FileEntry, verify_local_tree
 from vime_engine.devices.accelerator import prepare_accelerator, resolve_accelerator
 from vime_engine.sample import Sample
@@ -261,22 +262,49 @@ class MegatronTrainBackend:
         }
 
     def save_state(self, directory: str | Path) -> dict[str, FileEntry]:
-        """Model, optimizer and LR schedule as a torch_dist checkpoint in `directory` (collective). Returns no
-        digests: the checkpoint's manifest hashes the files torch_dist wrote."""
+        """Model, optimizer and LR schedule as a torch_dist checkpoint in `directory` (collective), refused before
+        a byte is written where any rank's weights hold NaN or inf. Returns no digests: the checkpoint's manifest
+        hashes the files torch_dist wrote."""
+        weights = {f"model{i}.{name}": p.detach() for i, chunk in enumerate(self.model)
+                   for name, p in chunk.named_parameters()}
+        refuse_nonfinite_save(directory, self._nonfinite_on_any_rank(nonfinite_tensors(weights)))
         self.mm.save_torch_dist(self._sharded_state(is_loading=False), Path(directory))
         return {}
 
     def load_state(self, directory: str | Path, expected: Mapping[str, FileEntry]) -> None:
-        """Load after checking the files against `expected` (torch_dist reads them itself, so first)."""
+        """Load after checking the files against `expected` (torch_dist reads them itself, so first); a checkpoint
+        whose loaded shards (weights, optimizer state) hold NaN or inf on any rank is refused on every rank alike:
+        one pass over what the load brought into memory, no second read."""
         directory = Path(directory)
         bad = verify_local_tree(directory, expected)
         if bad:
             raise ChecksumMismatch(f"{directory}: files differ from the manifest: {', '.join(bad)}")
         loaded = self.mm.load_torch_dist(self._sharded_state(is_loading=True), directory)
+        bad = self._nonfinite_on_any_rank(nonfinite_tensors(loaded))
+        if bad:
+            self._back_to_initial_state()
+            check_finite_load(directory, bad)
         for i, chunk in enumerate(self.model):
             self.mm.unwrap(chunk).load_state_dict(loaded["model" if len(self.model) == 1 else f"model{i}"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.scheduler.load_state_dict(loaded["scheduler"])
+
+
+    def _back_to_initial_state(self) -> None:
+        """torch_dist loads into the model's parameters and the optimizer's state in place: after a load that is
+        refused, the trainer as it was built again (the initial weights, an optimizer that has taken no step), so a
+        run with no other checkpoint to resume from starts from its initial weights, as with the torch backends."""
+        self.mm.load_weights_from(self.model, self.initial_weights, self.arch)
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            optimizer.optimizer.state.clear()  # torch's Adam makes its moments again at its first step
+        self.optimizer.reload_model_params()  # mixed precision: the fp32 main copies from the weights
+
+    def _nonfinite_on_any_rank(self, found: list[str]) -> list[str]:
+        """This rank's non-finite tensors, or, where only other ranks' shards hold some, a name saying so: every
+        rank decides alike (collective)."""
+        anywhere = torch.tensor([float(bool(found))], device=self.device)
+        torch.distributed.all_reduce(anywhere, op=torch.distributed.ReduceOp.MAX)
+        return found or (["a shard of another rank"] if anywhere.item() else [])
 
 
 def initial_weights(cfg: EngineConfig) -> str:

@@ -118,10 +118,19 @@ def build_model_from(
     if not is_converted_checkpoint(source):
         return build_model(arch, layout, dtype, accelerator, hf_dir=source, ddp_config=ddp_config)
     model = build_model(arch, layout, dtype, accelerator, ddp_config=ddp_config)
+    load_weights_from(model, source, arch)
+    return model
+
+
+def load_weights_from(model: list[torch.nn.Module], source: str | Path, arch: HFArchitecture) -> None:
+    """Put the weights of `source` (an HF directory, or a torch_dist checkpoint written by vime_engine.convert) into
+    this rank's built model."""
+    if not is_converted_checkpoint(source):
+        mh.load_hf_weights([unwrap(chunk) for chunk in model], arch, source)
+        return
     loaded = load_torch_dist(model_sharded_state_dict(model), Path(source) / TORCH_DIST_ITERATION_DIR)
     for i, chunk in enumerate(model):
         unwrap(chunk).load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
-    return model
 
 
 def full_vocab_logits(output: torch.Tensor, vocab_size: int) -> torch.Tensor:
