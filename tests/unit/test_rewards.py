@@ -180,6 +180,7 @@ def test_custom_reward_from_a_module(tmp_path, monkeypatch):
     fn = get_reward_fn("math", custom_rm_path="team_rewards.exact:exact")
     assert fn(" yes ", "yes") == 1.0
     assert fn("no", "yes") == 0.0
+    assert get_reward_fn("math", custom_rm_path="team_rewards.exact.exact") is fn  # vime's dotted form
     for name in ("team_rewards.exact", "team_rewards"):
         sys.modules.pop(name, None)
 
@@ -199,7 +200,9 @@ def test_custom_reward_errors_name_the_flag_and_the_fix(tmp_path):
     )
     broken = _write(tmp_path / "broken.py", "raise RuntimeError('boom')\n")
     cases = {
-        "no_colon_here": r"--custom-rm-path 'no_colon_here': expected `package.module:function` or `path/to/file.py:function`",
+        "no_colon_here": r"--custom-rm-path 'no_colon_here': expected `package.module:function`, vime's "
+                         r"`package.module.function`, or `path/to/file.py:function`",
+        "no_such_package_xyz.rewards.fn": r"cannot import module 'no_such_package_xyz.rewards'",  # vime's form
         f"{tmp_path}/missing.py:fn": r"file '.*missing.py' does not exist",
         f"{file}:absent": r"has no function 'absent'; define `def absent\(response: str, label: str\) -> float`",
         f"{file}:one_arg": r"cannot be called with \(response, label\)",

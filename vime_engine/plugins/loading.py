@@ -18,7 +18,7 @@ from typing import Any
 
 from vime_engine.plugins.vime_modules import install_vime_modules
 
-_FORMS = "`package.module:function` or `path/to/file.py:function`"
+_FORMS = "`package.module:function`, vime's `package.module.function`, or `path/to/file.py:function`"
 FILE_MODULE_PREFIX = "vime_plugin_"  # the module name of a `path/to/file.py:function`: prefix + hash of the path
 
 
@@ -44,7 +44,8 @@ def load_hook(spec: str | None, flag: str, arg_names: tuple[str, ...], wanted: s
 
 def import_function(spec: str, flag: str, wanted: str) -> Callable:
     """The function named by `spec`, imported but not yet checked: for hooks whose form its signature decides."""
-    target, sep, function_name = spec.rpartition(":")
+    # vime's own scripts name a function with dots (vime.utils.misc.load_function): package.module.function
+    target, sep, function_name = spec.rpartition(":" if ":" in spec or spec.endswith(".py") else ".")
     if not sep or not target or not function_name.isidentifier():
         raise ValueError(f"{flag} {spec!r}: expected {_FORMS}")
     install_vime_modules()
