@@ -27,7 +27,8 @@ def load_function(
 ) -> Callable:
     """Import the function named by `spec` and check it can be called with `arg_names` positionally.
 
-    `spec` is `package.module:function` (imported from `sys.path`) or `path/to/file.py:function`
+    `spec` is `package.module:function` or vime's `package.module.function` (imported from `sys.path`), or
+    `path/to/file.py:function`
     (a file, loaded under a module name derived from its absolute path so two files with the
     same name do not collide). Every failure is a ValueError naming `flag` and the fix; `wanted`
     describes the expected signature, e.g. "`(response: str, label: str) -> float`". A coroutine function
