@@ -108,7 +108,8 @@ def test_a_resumed_run_appends_to_the_same_tracker_runs_once_per_rollout(tmp_pat
 
 def test_explicit_run_ids_continue_those_runs(tmp_path):
     flags = {**_flags(tmp_path), "save": None, "wandb-run-id": "given-run"}
-    sink = MetricsSink(build_config([], **flags))
+    sink = MetricsSink(build_config([], **{**flags, "wandb-host": "https://wandb.example.test"}))  # offline: no call
+    assert sink.trackers[0].run.settings.base_url == "https://wandb.example.test"  # vime's --wandb-host
     sink.log(0, _metrics(0))
     sink.close()
     client = MlflowClient(default_tracking_uri(str(tmp_path / "out")))

@@ -49,6 +49,20 @@ def test_megatron_flags_pass_through_to_the_megatron_section_with_their_types():
     assert cfg.data_parallel_size == 4
 
 
+def test_megatrons_older_flash_attention_switch_and_its_fusion_switch_reach_the_layout():
+    # the NPU scripts pass --use-flash-attn beside --attention-backend flash; the ROCm one turns fusion off
+    from vime_engine.train.megatron_layout import MegatronSetupError, ParallelLayout
+
+    flags = ["--train-backend", "megatron", "--use-flash-attn", "--no-gradient-accumulation-fusion"]
+    layout = ParallelLayout.from_flags(build_config([*QWEN3_DISAGGREGATED, *flags]).megatron)
+    assert layout.attention_backend == "flash" and not layout.gradient_accumulation_fusion
+    default = ParallelLayout.from_flags({})
+    assert default.gradient_accumulation_fusion and default.attention_backend is None
+    with pytest.raises(MegatronSetupError, match="--use-flash-attn asks for --attention-backend flash, and "
+                                                 "--attention-backend local asks for another"):
+        ParallelLayout.from_flags({"use-flash-attn": True, "attention-backend": "local"})
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--tensor-model-parallel-size", "3"], "8 trainer ranks do not split into .* groups of 3"),
     (["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--n-samples-per-prompt", "8"],

@@ -70,3 +70,27 @@ def test_the_flags_reach_the_engine_settings():
 def test_bad_values_name_the_flag(flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         build_config(flags, **{"hf-checkpoint": "model", "prompt-data": "data.jsonl"})
+
+
+def test_vimes_vllm_flags_reach_vllms_arguments_on_an_accelerator_and_are_refused_where_they_cannot_act():
+    # run-qwen3-32B.sh's graph sizes, the ai21 scripts' --vllm-max-num-seqs, the reproducibility script's backend
+    from vime_engine.rollout.vllm_engine import vllm_engine_args
+
+    cfg = build_config(["--vllm-max-model-len", "512", "--vllm-max-num-seqs", "64", "--vllm-cudagraph-capture-sizes",
+                        "1", "2", "4", "--vllm-attention-backend", "flashinfer"],
+                       **{"hf-checkpoint": "model", "prompt-data": "data.jsonl"})
+    args = vllm_engine_args(engine_settings(cfg, None), "cuda", sleep_mode_available=True)
+    assert (args["max_num_seqs"], args["cudagraph_capture_sizes"], args["attention_backend"]) == (64, [1, 2, 4],
+                                                                                                 "FLASHINFER")
+    with pytest.raises(ValueError, match="--vllm-cudagraph-capture-sizes 1 2 4: the engine runs eagerly on cpu"):
+        vllm_engine_args(engine_settings(cfg, None), "cpu", sleep_mode_available=False)
+    base = {"hf-checkpoint": "model", "prompt-data": "data.jsonl"}
+    eager = build_config(["--vllm-max-model-len", "512", "--vllm-enforce-eager", "true",
+                          "--vllm-cudagraph-capture-sizes", "8"], **base)
+    with pytest.raises(ValueError, match="runs eagerly on cuda"):
+        vllm_engine_args(engine_settings(eager, None), "cuda", sleep_mode_available=True)
+    on_cpu = build_config(["--vllm-max-model-len", "512", "--vllm-attention-backend", "flashinfer"],
+                          **{"hf-checkpoint": "model", "prompt-data": "data.jsonl"})
+    with pytest.raises(ValueError, match="--vllm-attention-backend flashinfer: on CPU vLLM runs attention with "
+                                         "CPU_ATTN"):
+        vllm_engine_args(engine_settings(on_cpu, None), "cpu", sleep_mode_available=False)

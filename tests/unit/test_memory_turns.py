@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from vime_engine.config import ConfigError
-from vime_engine.runtime.memory_turns import HostOffload, MemoryTurns, Resident, check_memory_margin
+from vime_engine.runtime.memory_turns import (
+    HostOffload, MemoryTurns, Resident, check_memory_margin, check_memory_turn_flags, memory_turns,
+)
 
 
 def test_only_the_hand_overs_a_state_needs_are_made():
@@ -53,3 +55,28 @@ def test_the_memory_margin_acts_only_colocated_on_an_accelerator(colocated, kind
     else:
         with pytest.raises(ConfigError, match=f"--train-memory-margin-bytes 1073741824: .*{refused}"):
             check_memory_margin(1 << 30, colocated, kind)
+
+
+@pytest.mark.parametrize(("sleep_mode", "keep_trainer", "colocated", "kind", "refused"), [
+    (True, True, True, "cuda", None),
+    (False, True, True, "cpu", None),  # on CPU the trainer stays resident anyway
+    (True, False, False, "cuda", "--vllm-enable-sleep-mode: an engine sleeps only to hand its memory to a colocated"),
+    (True, False, True, "cpu", "--vllm-enable-sleep-mode: vLLM has no sleep mode on CPU"),
+    (False, True, False, "npu", "--no-offload-train: the trainer leaves its devices only to make room"),
+])
+def test_vimes_sleep_mode_and_no_offload_flags_act_colocated_on_an_accelerator(sleep_mode, keep_trainer, colocated,
+                                                                               kind, refused):
+    if refused is None:
+        check_memory_turn_flags(sleep_mode, keep_trainer, colocated, kind)
+    else:
+        with pytest.raises(ConfigError, match=refused):
+            check_memory_turn_flags(sleep_mode, keep_trainer, colocated, kind)
+
+
+def test_no_offload_train_keeps_the_trainer_on_its_device():
+    class Backend:
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.AdamW(model.parameters())
+
+    assert isinstance(memory_turns("cuda", None, Backend(), "cuda:0").trainer, HostOffload)
+    assert isinstance(memory_turns("cuda", None, Backend(), "cuda:0", offload_trainer=False).trainer, Resident)

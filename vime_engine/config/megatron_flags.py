@@ -23,6 +23,8 @@ MEGATRON_FLAGS: dict[str, type] = {
     "accumulate-allreduce-grads-in-fp32": bool,
     "attention-softmax-in-fp32": bool,
     "attention-backend": str,
+    "use-flash-attn": bool,  # Megatron's older spelling of --attention-backend flash
+    "no-gradient-accumulation-fusion": bool,
     # The model's architecture, as vime's scripts/models/*.sh give it: checked against config.json before anything
     # loads (vime_engine/train/megatron_model_flags.py), never applied over it.
     "swiglu": bool,

@@ -137,6 +137,20 @@ class RolloutConfig(_Section):
         "auto", description="tokens per engine step; auto: max(model length, 16384) without chunked prefill, "
         "vLLM's own budget with it"
     )
+    vllm_max_num_seqs: int | None = non_math(None, ge=1, description="requests an engine step may hold; "
+                                             "default: vLLM's")
+    vllm_cudagraph_capture_sizes: list[int] | None = non_math(
+        None, description="batch sizes vLLM captures CUDA / ACL graphs for; refused where the engine runs eagerly "
+        "(CPU, --vllm-enforce-eager)"
+    )
+    vllm_attention_backend: str | None = non_math(
+        None, description="vLLM's attention backend (FLASH_ATTN, FLASHINFER, ...); default: vLLM's choice. On CPU "
+        "only CPU_ATTN runs"
+    )
+    vllm_enable_sleep_mode: bool = non_math(
+        False, description="vLLM's sleep mode, with which a colocated engine hands its memory to the trainer: on "
+        "already wherever that happens (colocated on an accelerator); refused elsewhere, where nothing sleeps"
+    )
 
     @field_validator("vllm_enforce_eager", "vllm_enable_prefix_caching", "vllm_enable_chunked_prefill",
                      "vllm_max_num_batched_tokens", mode="before")
@@ -285,6 +299,10 @@ class PlacementConfig(_Section):
         0, ge=0, description="colocated on an accelerator: device memory that must stay free once the trainer has "
         "taken the memory back from the engine (vime's TorchMemorySaver margin); 0 on CPU"
     )
+    no_offload_train: bool = non_math(
+        False, description="colocated on an accelerator: the trainer's weights, gradients and optimizer state stay "
+        "on the device while the engine generates (vime's flag; the torch backends otherwise move them to host)"
+    )
 
 
 class CheckpointConfig(_Section):
@@ -308,6 +326,7 @@ class EvalConfig(_Section):
     eval_max_response_len: int | None = non_math(None, description="default: --rollout-max-response-len")
     eval_temperature: float | None = non_math(None, description="default: --rollout-temperature")
     eval_top_p: float | None = non_math(None, description="default: --rollout-top-p")
+    eval_top_k: int | None = non_math(None, description="default: --rollout-top-k (-1 disables top-k)")
     eval_input_key: str | None = non_math(None, description="default: --input-key")
     eval_label_key: str | None = non_math(None, description="default: --label-key")
     eval_rm_type: str | None = non_math(None, description="default: --rm-type")
@@ -330,6 +349,7 @@ class LoggingConfig(_Section):
         None, description="default: W&B's own setting (WANDB_MODE, `wandb offline`); offline needs no network"
     )
     wandb_dir: str | None = Field(None, description="where W&B keeps its files; default: --output-dir")
+    wandb_host: str | None = Field(None, description="the W&B server's URL; default: W&B's own (WANDB_BASE_URL)")
     use_mlflow: bool = Field(False, description="log to MLflow")
     mlflow_tracking_uri: str | None = Field(
         None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///<output-dir>/mlflow.db"

@@ -26,8 +26,10 @@ class DeviceTuning:
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     max_num_batched_tokens: int | None = None
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # graphs' batch sizes; None: vLLM's
 
 
+CPU_ATTENTION = "CPU_ATTN"  # vLLM's one attention backend for CPU (dense models)
 # A step's token budget when prompts are scheduled whole: at least the model length, so any prompt fits.
 WHOLE_PROMPT_MIN_BATCHED_TOKENS = 16384
 
@@ -70,6 +72,14 @@ def device_engine_kwargs(device_kind: str, tuning: DeviceTuning, max_model_len: 
         )
     if budget is not None:
         kwargs["max_num_batched_tokens"] = budget
+    if tuning.cudagraph_capture_sizes is not None:
+        if kwargs["enforce_eager"]:
+            raise ValueError(
+                f"--vllm-cudagraph-capture-sizes {' '.join(map(str, tuning.cudagraph_capture_sizes))}: the engine runs "
+                f"eagerly on {device_kind} (--vllm-enforce-eager), so no graphs are captured; drop the sizes, or "
+                "give --vllm-enforce-eager false on an accelerator"
+            )
+        kwargs["cudagraph_capture_sizes"] = list(tuning.cudagraph_capture_sizes)
     return kwargs
 
 
@@ -88,6 +98,8 @@ class EngineSettings:
     # Colocated: the engine hands its memory to the trainer between rollouts (vLLM's sleep mode), where the
     # platform has it; on CPU vLLM has none and the engine stays resident.
     enable_sleep_mode: bool = False
+    max_num_seqs: int | None = None  # None: vLLM's
+    attention_backend: str | None = None  # an AttentionBackendEnum name; None: vLLM's choice
     tuning: DeviceTuning = field(default_factory=DeviceTuning)
 
 
@@ -220,6 +232,14 @@ def vllm_engine_args(settings: EngineSettings, device_kind: str, sleep_mode_avai
         args["distributed_executor_backend"] = settings.distributed_executor_backend
     if settings.enable_sleep_mode and sleep_mode_available:
         args["enable_sleep_mode"] = True
+    if settings.max_num_seqs is not None:
+        args["max_num_seqs"] = settings.max_num_seqs
+    if settings.attention_backend is not None:
+        backend = settings.attention_backend.upper()
+        if device_kind == "cpu" and backend != CPU_ATTENTION:
+            raise ValueError(f"--vllm-attention-backend {settings.attention_backend}: on CPU vLLM runs attention "
+                             f"with {CPU_ATTENTION} only; drop the flag or give {CPU_ATTENTION}")
+        args["attention_backend"] = backend
     return args
 
 

@@ -68,10 +68,13 @@ def engine_settings(cfg: EngineConfig, kv_cache_bytes: int | None) -> EngineSett
         gpu_memory_utilization=r.vllm_gpu_memory_utilization, tensor_parallel_size=r.rollout_num_gpus_per_engine,
         distributed_executor_backend="external_launcher" if spread_over_ranks else None,
         enable_sleep_mode=cfg.placement.colocate is True,
+        max_num_seqs=r.vllm_max_num_seqs, attention_backend=r.vllm_attention_backend,
         tuning=DeviceTuning(
             enforce_eager=given(r.vllm_enforce_eager), enable_prefix_caching=given(r.vllm_enable_prefix_caching),
             enable_chunked_prefill=given(r.vllm_enable_chunked_prefill),
             max_num_batched_tokens=given(r.vllm_max_num_batched_tokens),
+            cudagraph_capture_sizes=(tuple(r.vllm_cudagraph_capture_sizes)
+                                     if r.vllm_cudagraph_capture_sizes is not None else None),
         ),
     )
 

@@ -152,15 +152,30 @@ def check_memory_margin(margin_bytes: int, colocated: bool, accelerator_kind: st
             "accelerator)")
 
 
-def memory_turns(accelerator_kind: str, llm, backend, device: str, margin_bytes: int = 0) -> MemoryTurns:
+def check_memory_turn_flags(sleep_mode: bool, keep_trainer: bool, colocated: bool, accelerator_kind: str) -> None:
+    """vime's `--vllm-enable-sleep-mode` and `--no-offload-train` act on the turns a colocated rank takes; refused,
+    with the reason, where no turns are taken (apart) or where the engine cannot sleep (CPU)."""
+    if sleep_mode and not colocated:
+        raise ConfigError("--vllm-enable-sleep-mode: an engine sleeps only to hand its memory to a colocated "
+                          "trainer, and without --colocate nothing puts it to sleep; pass --colocate or drop the flag")
+    if sleep_mode and accelerator_kind == "cpu":
+        raise ConfigError("--vllm-enable-sleep-mode: vLLM has no sleep mode on CPU, where the engine and the trainer "
+                          "both stay resident in host memory; drop the flag (it acts colocated on an accelerator)")
+    if keep_trainer and not colocated:
+        raise ConfigError("--no-offload-train: the trainer leaves its devices only to make room for a colocated "
+                          "engine, so without --colocate it stays on them anyway; drop the flag")
+
+
+def memory_turns(accelerator_kind: str, llm, backend, device: str, margin_bytes: int = 0,
+                 offload_trainer: bool = True) -> MemoryTurns:
     """The turns a colocated rank takes on `accelerator_kind`: vLLM's sleep mode and the trainer offloaded to host
-    on accelerators (host offload for the torch backends, which hold `model` and `optimizer`), both resident on
-    CPU (said once)."""
+    on accelerators (host offload for the torch backends, which hold `model` and `optimizer`, unless not
+    `offload_trainer`: vime's --no-offload-train), both resident on CPU (said once)."""
     if accelerator_kind == "cpu":
         log.info("colocated on CPU: vLLM has no sleep mode and the host's memory is the device's, so the engine "
                  "and the trainer both stay resident")
         return MemoryTurns(Resident(), Resident())
     model, optimizer = getattr(backend, "model", None), getattr(backend, "optimizer", None)
-    trainer = (HostOffload(model, optimizer, device, margin_bytes) if hasattr(model, "parameters") and optimizer
-               else Resident())
+    offloadable = offload_trainer and hasattr(model, "parameters") and optimizer
+    trainer = HostOffload(model, optimizer, device, margin_bytes) if offloadable else Resident()
     return MemoryTurns(VllmSleepMode(llm), trainer)

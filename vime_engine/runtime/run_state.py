@@ -194,7 +194,7 @@ def run_evaluations(cfg: EngineConfig, workers: Workers, rollout_id: int) -> dic
             e.eval_max_response_len or r.rollout_max_response_len,
             e.eval_temperature if e.eval_temperature is not None else r.rollout_temperature,
             e.eval_top_p if e.eval_top_p is not None else r.rollout_top_p,
-            r.rollout_top_k,
+            e.eval_top_k if e.eval_top_k is not None else r.rollout_top_k,
         ),
         e.n_samples_per_eval_prompt, f"eval/{name}", e.eval_rm_type,
     )

@@ -28,7 +28,7 @@ from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.cpu_shm import released_after_start
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
 from vime_engine.devices.accelerator import Accelerator
-from vime_engine.runtime.memory_turns import check_memory_margin, memory_turns
+from vime_engine.runtime.memory_turns import check_memory_margin, check_memory_turn_flags, memory_turns
 from vime_engine.runtime.placement import check_nodes_see, device_nodes, nodes_of, with_placement_decided
 from vime_engine.runtime.rollout_group import EngineHandle, FaultTolerance, GroupRound, PendingSamples, RolloutGroup
 from vime_engine.runtime.server_group import ServerRolloutGroup
@@ -53,7 +53,8 @@ class ColocatedActor(TrainerRank):
         with starting:
             self.rollout = RolloutWorker(cfg, kv_cache_bytes)
         self.memory = memory_turns(accel.kind, self.rollout.engine.llm, self.backend, accel.torch_device,
-                                   cfg.placement.train_memory_margin_bytes)
+                                   cfg.placement.train_memory_margin_bytes,
+                                   offload_trainer=not cfg.placement.no_offload_train)
 
     # The trainer's side: the device's memory is the trainer's first.
     def train(self, samples: list[Sample]) -> dict[str, float]:
@@ -147,6 +148,8 @@ class Workers:
     def __init__(self, cfg: EngineConfig, accel: Accelerator):
         cfg = with_placement_decided(cfg, accel.kind)
         check_memory_margin(cfg.placement.train_memory_margin_bytes, cfg.placement.colocate is True, accel.kind)
+        check_memory_turn_flags(cfg.rollout.vllm_enable_sleep_mode, cfg.placement.no_offload_train,
+                                cfg.placement.colocate is True, accel.kind)
         kv_cache_bytes = int(cfg.rollout.vllm_kv_cache_gb * 2**30) if accel.kind == "cpu" else None
         if len(nodes := device_nodes(accel)) > 1:  # a multi-node run: a shared file system, checked first
             check_nodes_see(nodes, shared_run_files(cfg))

@@ -28,10 +28,11 @@ class WandbTracker:
         root = Path(lg.wandb_dir or lg.output_dir)
         root.mkdir(parents=True, exist_ok=True)
         rows = [row for path in run_logs(root, run_id) for row in history_rows(path)]  # before this start adds one
+        host = {"base_url": lg.wandb_host} if lg.wandb_host else {}  # else W&B's own (WANDB_BASE_URL, its cloud)
         self.run = wandb.init(
             project=lg.wandb_project or DEFAULT_PROJECT, entity=lg.wandb_team, group=lg.wandb_group, id=run_id,
             resume="allow", mode=lg.wandb_mode, dir=str(root), config=config, allow_val_change=True,
-            settings=wandb.Settings(silent=True, console="off"),
+            settings=wandb.Settings(silent=True, console="off", **host),
         )
         self.run.define_metric(X_AXIS)
         self.run.define_metric("*", step_metric=X_AXIS)

@@ -169,7 +169,8 @@ def transformer_config(arch: HFArchitecture, layout: ParallelLayout, dtype: torc
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=use_cpu_initialization,
         masked_softmax_fusion=fused, bias_activation_fusion=fused, bias_dropout_fusion=fused,
-        apply_rope_fusion=fused, persist_layer_norm=fused, gradient_accumulation_fusion=fused,
+        apply_rope_fusion=fused, persist_layer_norm=fused,
+        gradient_accumulation_fusion=fused and layout.gradient_accumulation_fusion,
         **extra,
     )
 

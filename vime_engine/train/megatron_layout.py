@@ -33,9 +33,16 @@ class ParallelLayout:
     attention_backend: str | None = None  # megatron.core.transformer.enums.AttnBackend name; None: Megatron's
     # Gradients reduced across data-parallel ranks in fp32 (exact reductions) unless turned off.
     grad_reduce_in_fp32: bool = True
+    gradient_accumulation_fusion: bool = True  # where Transformer Engine's fused kernels exist
 
     @classmethod
     def from_flags(cls, flags: dict[str, Any]) -> ParallelLayout:
+        backend = flags.get("attention-backend")
+        if flags.get("use-flash-attn"):
+            if backend not in (None, "flash"):
+                raise MegatronSetupError(f"--use-flash-attn asks for --attention-backend flash, and "
+                                         f"--attention-backend {backend} asks for another: give one of them")
+            backend = "flash"
         layout = cls(
             tensor=int(flags.get("tensor-model-parallel-size") or 1),
             pipeline=int(flags.get("pipeline-model-parallel-size") or 1),
@@ -50,8 +57,9 @@ class ParallelLayout:
             attention_dropout=float(flags.get("attention-dropout") or 0.0),
             hidden_dropout=float(flags.get("hidden-dropout") or 0.0),
             attention_softmax_in_fp32=flags.get("attention-softmax-in-fp32"),
-            attention_backend=flags.get("attention-backend"),
+            attention_backend=backend,
             grad_reduce_in_fp32=flags.get("accumulate-allreduce-grads-in-fp32", True),
+            gradient_accumulation_fusion=not flags.get("no-gradient-accumulation-fusion", False),
         )
         if layout.attention_backend is not None:
             from megatron.core.transformer.enums import AttnBackend

@@ -34,13 +34,16 @@ _PR_SET_PDEATHSIG = 1
 
 def server_argv(settings: EngineSettings, device_kind: str, host: str, port: int) -> list[str]:
     """The command line of `settings`' engine as an API server on host:port: the in-process engine's arguments
-    (`vllm_engine_args`, a bool as `--flag` / `--no-flag`), plus the endpoints the server mode uses. Sleep mode is
-    asked for on accelerators, where vLLM has it. Raises ValueError as `device_engine_kwargs` does."""
+    (`vllm_engine_args`, a bool as `--flag` / `--no-flag`, a list as its values), plus the endpoints the server mode
+    uses. Sleep mode is asked for on accelerators, where vLLM has it. Raises ValueError as `device_engine_kwargs`
+    does."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port)]
     for name, value in vllm_engine_args(settings, device_kind, sleep_mode_available=device_kind != "cpu").items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]
     return argv + ["--enable-scale-out", "--worker-extension-cls", WEIGHT_EXTENSION, "--disable-uvicorn-access-log"]
