@@ -102,7 +102,8 @@ def test_run_refuses_an_unusable_storage_root_before_prefect_starts(case, tmp_pa
                      aws_secret_access_key=iam.secret_key).create_bucket(Bucket="vf-refused")
         env.update(AWS_ENDPOINT_URL=iam.url, AWS_ACCESS_KEY_ID=iam.access_key, AWS_SECRET_ACCESS_KEY="not-the-secret")
         root = "s3://vf-refused/runs"
-        named = ["check s3://vf-refused/runs failed (status=403", "check the access key, its secret and the bucket policy"]
+        named = ["check s3://vf-refused/runs failed (status=403",
+                 "check the access key, its secret and the bucket policy"]
     (tmp_path / "pipeline.yaml").write_text(f"storage:\n  root: {root}\n")
     run = _vimeflow("run", "--config", str(tmp_path / "pipeline.yaml"), env=env)
     assert run.returncode == 2, run.stderr

@@ -9,6 +9,7 @@ from vime_engine.config.flat_values import unknown_flags_message
 from vime_engine.config.megatron_flags import MEGATRON_FLAGS
 from vime_engine.config.sections import FIELD_SECTION, SECTIONS
 from vime_engine.config.switches import FALSE_WORDS, TRUE_WORDS
+from vime_engine.config.vime_only_flags import VIME_ONLY_FLAGS
 
 
 def parse_flags(argv: list[str]) -> dict[str, Any]:
@@ -46,6 +47,8 @@ def parse_flags(argv: list[str]) -> dict[str, Any]:
 def _flag_kind(name: str) -> type | None:
     if name in MEGATRON_FLAGS:
         return MEGATRON_FLAGS[name]
+    if name in VIME_ONLY_FLAGS:  # refused or confirmed by from_flat
+        return VIME_ONLY_FLAGS[name].kind
     key = name.replace("-", "_")
     section = FIELD_SECTION.get(key)
     if section is None:

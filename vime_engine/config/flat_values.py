@@ -12,6 +12,7 @@ from vime_engine.config.engine_config import EngineConfig
 from vime_engine.config.errors import ConfigError, flag_name
 from vime_engine.config.megatron_flags import MEGATRON_FLAGS, typed_megatron_value
 from vime_engine.config.sections import FIELD_SECTION, SECTIONS
+from vime_engine.config.vime_only_flags import VIME_ONLY_FLAGS, check_vime_only
 
 
 def from_flat(values: dict[str, Any]) -> EngineConfig:
@@ -28,6 +29,8 @@ def from_flat(values: dict[str, Any]) -> EngineConfig:
             nested[FIELD_SECTION[key]][key] = value
         elif key.replace("_", "-") in MEGATRON_FLAGS:
             megatron[key.replace("_", "-")] = typed_megatron_value(key.replace("_", "-"), value)
+        elif key.replace("_", "-") in VIME_ONLY_FLAGS:
+            check_vime_only(key.replace("_", "-"), value)  # refused, or at the value the engine runs anyway
         else:
             unknown.append(raw_key)
     if unknown:
