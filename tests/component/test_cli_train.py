@@ -43,6 +43,9 @@ def test_vime_qwen3_4b_flags_run_scaled_down_then_eval_only_and_export(tmp_path,
         "--actor-num-gpus-per-node", "2",  # two ranks (one Ray CPU each), the script's engine of 2 across them
         "--train-memory-margin-bytes", "0",  # on CPU nothing is handed back: a margin is refused, naming why
         "--train-backend", "megatron", "--tensor-model-parallel-size", "2",  # the script's Megatron part
+        # flags of its NPU variants that act here (the others are refused naming why: test_every_flag_acts.py)
+        "--rollout-backend", "vllm", "--megatron-to-hf-mode", "raw", "--attention-backend", "flash", "--use-flash-attn",
+        "--no-gradient-accumulation-fusion", "--vllm-max-num-seqs", "64", "--vllm-enforce-eager",
         "--save-hf", str(tmp_path / "hf-trained"),
         *TINY_QWEN3_MODEL_FLAGS,  # the script's scripts/models/qwen3-4B.sh part, for the tiny model
     ]
