@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from vime_engine.train.megatron_layout import MoESettings, ParallelLayout
+from vime_engine.train.megatron_model_flags import moe_layer_pattern
 
 log = logging.getLogger(__name__)
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -102,9 +103,8 @@ class MoEArchitecture:
         if getattr(config, "shared_expert_intermediate_size", 0):
             raise UnsupportedHFModel(f"{source}: config.shared_expert_intermediate_size: shared experts are not "
                                      "mapped for this family")
-        step = getattr(config, "decoder_sparse_step", 1) or 1
-        dense = set(getattr(config, "mlp_only_layers", None) or [])
-        pattern = tuple(0 if i in dense or (i + 1) % step else 1 for i in range(num_layers))
+        pattern = moe_layer_pattern(num_layers, getattr(config, "decoder_sparse_step", 1) or 1,
+                                    list(getattr(config, "mlp_only_layers", None) or []))
         return cls(num_experts=num_experts, ffn_hidden_size=config.moe_intermediate_size,
                    topk=config.num_experts_per_tok, renormalize=bool(getattr(config, "norm_topk_prob", False)),
                    layer_pattern=pattern)
@@ -371,7 +371,7 @@ def hf_tensors(kind: str, shards: list[Tensor], arch: HFArchitecture, split_dim:
 
 
 # -- HF → Megatron ---------------------------------------------------------------------------------------------
-def _open_safetensors(hf_dir: Path) -> dict[str, Path]:
+def safetensors_files(hf_dir: Path) -> dict[str, Path]:
     """HF tensor name → the safetensors file holding it."""
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -396,7 +396,7 @@ def load_hf_weights(modules: list[torch.nn.Module], arch: HFArchitecture, hf_dir
     from safetensors import safe_open
 
     hf_dir = Path(hf_dir)
-    files = _open_safetensors(hf_dir)
+    files = safetensors_files(hf_dir)
     dense = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     experts = _ExpertRanks.current(arch)
     handles: dict[Path, object] = {}
