@@ -69,7 +69,7 @@ def check_inputs(cfg: EngineConfig) -> None:
     elif ref_load is not None:
         check_model_dir(ref_load, "--ref-load")
     if cfg.train.train_backend == "megatron":
-        _check_expert_layout(cfg.megatron, model_config, config_file)
+        _check_megatron_settings(cfg.megatron, model_config, config_file)
         _check_megatron_mapping(cfg.model.hf_checkpoint, "--hf-checkpoint")
         if ref_load is not None and not torch_dist_ref:
             _check_megatron_mapping(ref_load, "--ref-load")
@@ -228,11 +228,15 @@ def _check_model_flags(flags: dict[str, Any], model_config: dict[str, Any], conf
         raise PreflightError(str(exc)) from None
 
 
-def _check_expert_layout(flags: dict[str, Any], model_config: dict[str, Any], config_file: Path) -> None:
-    """Megatron's expert-parallel flags fit the model's experts (vime_engine/train/megatron_model_flags.py)."""
+def _check_megatron_settings(flags: dict[str, Any], model_config: dict[str, Any], config_file: Path) -> None:
+    """Megatron's settings read as the backend reads them, and its expert-parallel flags fit the model's experts
+    (vime_engine/train/megatron_layout.py, megatron_model_flags.py): refused here, not in a rank after Ray started."""
+    from vime_engine.train.megatron_layout import MegatronSetupError, ParallelLayout
+
     try:
+        ParallelLayout.from_flags(flags)
         check_expert_layout(flags, model_config, str(config_file))
-    except ModelFlagMismatch as exc:
+    except (ModelFlagMismatch, MegatronSetupError) as exc:
         raise PreflightError(str(exc)) from None
 
 

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from vime_engine.config import ConfigError, build_config
+from vime_engine.config import ConfigError, build_config, with_overrides
 from vime_engine.models.builtin import materialize_builtin_model
 from vime_engine.preflight import PreflightError, check_inputs
 from vime_engine.sample import Sample
@@ -158,6 +158,9 @@ def test_vimes_qwen3_30b_a3b_moe_flags_pass_the_megatron_preflight_and_reach_meg
     moe = ParallelLayout.from_flags(cfg.megatron, cfg.algorithm.moe_aux_loss_coeff).moe
     assert (moe.token_dispatcher, moe.router_dtype, moe.grouped_gemm, moe.permute_fusion) == (
         "alltoall", "fp32", True, True)
+    flex = with_overrides(cfg, **{"moe-token-dispatcher-type": "flex"})
+    with pytest.raises(PreflightError, match="--moe-token-dispatcher-type flex"):  # before Ray starts
+        check_inputs(flex)
 
 
 @pytest.mark.parametrize("flags, said", [
@@ -227,6 +230,8 @@ def test_expert_layouts_megatron_would_get_wrong_fail_naming_the_flags(flags, me
                                             "alltoall or allgather"),
     ({"moe-router-dtype": "bf16"}, "--moe-router-dtype bf16: expected fp32 or fp64"),
     ({"moe-token-drop-policy": "random"}, "--moe-token-drop-policy random: expected probs or position"),
+    ({"moe-token-dispatcher-type": "allgather", "expert-model-parallel-size": 2},
+     "that dispatcher gathers equal blocks of tokens from every expert-parallel rank"),
 ])
 def test_moe_run_settings_megatron_cannot_take_here_are_refused(flags, said):
     from vime_engine.train.megatron_layout import MegatronSetupError, ParallelLayout

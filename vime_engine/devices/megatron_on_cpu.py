@@ -237,12 +237,12 @@ def _uneven_first_dim_collectives_on_gloo() -> None:
     def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
         if output_split_sizes is None or group.size() == 1:
             return gather(input_, group, output_split_sizes, use_global_buffer)
-        return torch.cat(gather_padded(input_, group, list(output_split_sizes)))
+        return torch.cat(_gather_padded(input_, group, list(output_split_sizes)))
 
     mappings._gather_along_first_dim = gather_uneven
 
 
-def gather_padded(tensor: torch.Tensor, group, sizes: list[int]) -> list[torch.Tensor]:
+def _gather_padded(tensor: torch.Tensor, group, sizes: list[int]) -> list[torch.Tensor]:
     """Every rank's `tensor` (rank r's has sizes[r] rows), gathered with one equal-size all_gather of blocks
     padded to the largest; collective over `group`."""
     longest = max(sizes)

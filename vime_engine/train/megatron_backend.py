@@ -149,7 +149,7 @@ class MegatronTrainBackend:
             batch = next(data_iterator)
             moe = {}
             if self.router_losses is not None:
-                self.router_losses.clear()  # a recomputed forward's records, from the last backward, go
+                self.router_losses.clear()  # drops what a recomputed forward recorded in the last backward
                 moe["padding_mask"] = batch.padding
             output = chunk(input_ids=batch.input_ids, position_ids=batch.positions, attention_mask=None, **moe)
             return output, partial(loss_func, batch)

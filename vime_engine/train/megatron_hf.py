@@ -28,6 +28,7 @@ TEGroupedMLP (`linear_fc1.weight{j}`). Qwen3-MoE has no shared expert; a config 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -221,17 +222,19 @@ def transformer_config(arch: HFArchitecture, layout: ParallelLayout, dtype: torc
     )
 
 
-_said_unfused: set[str] = set()
+@functools.cache
+def _say_unfused(flag: str) -> None:
+    """Once a process: a Transformer Engine kernel asked for that this machine does not have."""
+    log.warning("%s: Transformer Engine is not installed here, so the experts run without that kernel (the same "
+                "function and checkpoint layout, only slower)", flag)
 
 
 def moe_config(moe: MoEArchitecture, settings: MoESettings, transformer_engine: bool) -> dict:
     """TransformerConfig's mixture-of-experts fields: the experts and routing of config.json, run as `settings`
     (megatron_layout.MoESettings) say. No token is ever dropped (no capacity factor): vLLM drops none."""
     for flag, wanted in (("--moe-grouped-gemm", settings.grouped_gemm), ("--moe-permute-fusion", settings.permute_fusion)):
-        if wanted and not transformer_engine and flag not in _said_unfused:
-            _said_unfused.add(flag)
-            log.warning("%s: Transformer Engine is not installed here, so the experts run without that kernel "
-                        "(the same function and checkpoint layout, only slower)", flag)
+        if wanted and not transformer_engine:
+            _say_unfused(flag)
     return dict(
         num_moe_experts=moe.num_experts, moe_ffn_hidden_size=moe.ffn_hidden_size, moe_router_topk=moe.topk,
         moe_router_score_function="softmax", moe_router_pre_softmax=not moe.renormalize,
@@ -479,7 +482,7 @@ def _stage_hf_tensors(modules: list[torch.nn.Module], arch: HFArchitecture,
             if name == "output_layer.weight" and arch.tied_embeddings:
                 continue  # the first stage exports the shared matrix
             expert = is_expert(name)
-            kind, _ = _hf_source(name, module, arch)
+            kind, names = _hf_source(name, module, arch)
             split_dim = _tp_split(param)
             group, size = expert_tensor if expert else dense
             shards = [param.detach()]
@@ -487,7 +490,7 @@ def _stage_hf_tensors(modules: list[torch.nn.Module], arch: HFArchitecture,
                 shards = _gather(param.detach(), group, size)
             tensors = hf_tensors(kind, shards, arch, split_dim)
             if not expert:
-                for hf_name, tensor in zip(_hf_source(name, module, arch)[1], tensors):
+                for hf_name, tensor in zip(names, tensors):
                     yield hf_name, tensor
                     if hf_name == EMBED and arch.tied_embeddings and with_lm_head:
                         yield LM_HEAD, tensor

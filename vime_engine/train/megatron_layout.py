@@ -113,6 +113,11 @@ class ParallelLayout:
             )
         if layout.sequence_parallel and layout.tensor == 1:
             raise MegatronSetupError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if layout.moe.token_dispatcher == "allgather" and layout.expert > 1:
+            raise MegatronSetupError(
+                f"--moe-token-dispatcher-type allgather with --expert-model-parallel-size {layout.expert}: that "
+                "dispatcher gathers equal blocks of tokens from every expert-parallel rank, and each rank's "
+                "micro-batches are padded to their own longest sample here; use alltoall")
         return layout
 
     @property
