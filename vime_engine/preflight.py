@@ -229,12 +229,13 @@ def _check_model_flags(flags: dict[str, Any], model_config: dict[str, Any], conf
 
 
 def _check_megatron_settings(flags: dict[str, Any], model_config: dict[str, Any], config_file: Path) -> None:
-    """Megatron's settings read as the backend reads them, and its expert-parallel flags fit the model's experts
-    (vime_engine/train/megatron_layout.py, megatron_model_flags.py): refused here, not in a rank after Ray started."""
-    from vime_engine.train.megatron_layout import MegatronSetupError, ParallelLayout
+    """Megatron's MoE settings read as the backend reads them, and its expert-parallel flags fit the model's experts
+    (vime_engine/train/megatron_layout.py, megatron_model_flags.py): refused here, not in a rank after Ray started.
+    Nothing of Megatron is imported (on Ascend MindSpeed must patch it first, in the process that trains)."""
+    from vime_engine.train.megatron_layout import MegatronSetupError, MoESettings
 
     try:
-        ParallelLayout.from_flags(flags)
+        MoESettings.from_flags(flags)
         check_expert_layout(flags, model_config, str(config_file))
     except (ModelFlagMismatch, MegatronSetupError) as exc:
         raise PreflightError(str(exc)) from None

@@ -45,6 +45,12 @@ class MoESettings:
             grouped_gemm=bool(flags.get("moe-grouped-gemm", False)),
             permute_fusion=bool(flags.get("moe-permute-fusion", False)),
         )
+        expert = int(flags.get("expert-model-parallel-size") or 1)
+        if settings.token_dispatcher == "allgather" and expert > 1:
+            raise MegatronSetupError(
+                f"--moe-token-dispatcher-type allgather with --expert-model-parallel-size {expert}: that dispatcher "
+                "gathers equal blocks of tokens from every expert-parallel rank, and each rank's micro-batches are "
+                "padded to their own longest sample here; use alltoall")
         if settings.token_dispatcher not in TOKEN_DISPATCHERS:
             raise MegatronSetupError(
                 f"--moe-token-dispatcher-type {settings.token_dispatcher}: the engine's MoE layers dispatch with "
@@ -113,11 +119,6 @@ class ParallelLayout:
             )
         if layout.sequence_parallel and layout.tensor == 1:
             raise MegatronSetupError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-        if layout.moe.token_dispatcher == "allgather" and layout.expert > 1:
-            raise MegatronSetupError(
-                f"--moe-token-dispatcher-type allgather with --expert-model-parallel-size {layout.expert}: that "
-                "dispatcher gathers equal blocks of tokens from every expert-parallel rank, and each rank's "
-                "micro-batches are padded to their own longest sample here; use alltoall")
         return layout
 
     @property
