@@ -125,16 +125,28 @@ def _megatron_to_hf(mm, source: Path, dest: Path, accelerator: Accelerator) -> t
     return _verify(mm, arch, model, hf_dir=dest)
 
 
+def hf_files_state(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory's safetensors files, by the name it is stored under."""
+    from safetensors.torch import load_file
+
+    from vime_engine.train.megatron_hf import safetensors_files
+
+    return {name: tensor for path in sorted(set(safetensors_files(hf_dir).values()))
+            for name, tensor in load_file(path).items()}
+
+
 def _verify(mm, arch, model, hf_dir: Path) -> tuple[float, float, float]:
     """Max |difference| of exported vs HF tensors and of fixed-batch log-probs (fp32, checked); raises past the
     tolerances."""
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    hf_state = hf_model.state_dict()
+    # The tensors as the HF files name them: transformers 5 fuses a MoE layer's experts into 3-D parameters in
+    # memory, while its files (and vLLM) keep one tensor per expert.
+    hf_state = hf_files_state(hf_dir)
     tensor_diff = 0.0
     exported = set()
-    for name, tensor in mm.hf_weight_stream(arch, model, with_lm_head=True):
+    for name, tensor in mm.hf_weight_stream(arch, model, with_lm_head=False):
         exported.add(name)
         if name not in hf_state:
             raise ConversionError(f"exported tensor {name} does not exist in the HF model at {hf_dir}")

@@ -28,7 +28,7 @@ from vime_engine.data.datasets import DatasetError, NumberedRecord, read_prompt_
 from vime_engine.data.prompt_length import FLAG as MAX_PROMPT_FLAG
 from vime_engine.data.prompt_length import load_tokenizer, prompt_lengths, short_enough
 from vime_engine.rewards.labels import label_problem
-from vime_engine.train.megatron_model_flags import HFView, ModelFlagMismatch, check_model_flags
+from vime_engine.train.megatron_model_flags import HFView, ModelFlagMismatch, check_expert_layout, check_model_flags
 
 log = logging.getLogger(__name__)
 MEGATRON_MODULES = ("megatron.core",)  # the HF mapping is our own (train/megatron_hf.py)
@@ -69,6 +69,7 @@ def check_inputs(cfg: EngineConfig) -> None:
     elif ref_load is not None:
         check_model_dir(ref_load, "--ref-load")
     if cfg.train.train_backend == "megatron":
+        _check_megatron_settings(cfg.megatron, model_config, config_file)
         _check_megatron_mapping(cfg.model.hf_checkpoint, "--hf-checkpoint")
         if ref_load is not None and not torch_dist_ref:
             _check_megatron_mapping(ref_load, "--ref-load")
@@ -224,6 +225,19 @@ def _check_model_flags(flags: dict[str, Any], model_config: dict[str, Any], conf
     try:
         check_model_flags(flags, model_config, str(config_file))
     except ModelFlagMismatch as exc:
+        raise PreflightError(str(exc)) from None
+
+
+def _check_megatron_settings(flags: dict[str, Any], model_config: dict[str, Any], config_file: Path) -> None:
+    """Megatron's MoE settings read as the backend reads them, and its expert-parallel flags fit the model's experts
+    (vime_engine/train/megatron_layout.py, megatron_model_flags.py): refused here, not in a rank after Ray started.
+    Nothing of Megatron is imported (on Ascend MindSpeed must patch it first, in the process that trains)."""
+    from vime_engine.train.megatron_layout import MegatronSetupError, MoESettings
+
+    try:
+        MoESettings.from_flags(flags)
+        check_expert_layout(flags, model_config, str(config_file))
+    except (ModelFlagMismatch, MegatronSetupError) as exc:
         raise PreflightError(str(exc)) from None
 
 

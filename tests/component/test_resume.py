@@ -287,18 +287,34 @@ def test_multi_turn_conversations_cut_off_and_killed_resume_bit_identical(tmp_pa
     assert history == ref_history
 
 
-# Megatron in the same run as vLLM (megatron-core 0.16 in this lane), tensor parallel over two Ray ranks (gloo),
-# colocated with one vLLM engine tensor parallel across the same two ranks' processes (vime's layout): each rollout
-# is generated right after a weight sync, so Megatron's log-probs of the sampled tokens must equal vLLM's (fp32),
-# and a rank SIGKILLed in rollout 1's first optimizer step (its engine shard with it) resumes from the torch_dist
-# checkpoint of rollout 0 to the same HF export, bit for bit. Each rank maps megatron-core's hard-coded CUDA calls onto the
-# CPU itself (vime_engine/devices/megatron_on_cpu.py), as a user's run does.
+# Megatron in the same run as vLLM (megatron-core 0.16 in this lane), each rollout generated right after a weight
+# sync, so Megatron's log-probs of the sampled tokens must equal vLLM's (fp32), and a rank SIGKILLed in rollout 1's
+# first optimizer step resumes from the torch_dist checkpoint of rollout 0 to the same HF export, bit for bit. Each
+# rank maps megatron-core's hard-coded CUDA calls onto the CPU itself (vime_engine/devices/megatron_on_cpu.py), as a
+# user's run does.
+# - tp2-colocated: tensor parallel over two Ray ranks (gloo), colocated with one vLLM engine tensor parallel across
+#   the same two ranks' processes (vime's layout); the kill takes the rank's engine shard with it.
+# - ep2-moe: the tiny Qwen3-MoE at expert parallelism 2 (each rank four of the eight experts; the dense weights data
+#   parallel over both), with vime's qwen3-30B-A3B.sh MoE flags and the router's load-balancing loss; the sync
+#   gathers the experts of both ranks into HF names, the checkpoint holds each rank's experts.
 MEGATRON_TP2 = {"train-backend": "megatron", "tensor-model-parallel-size": 2, "actor-num-gpus-per-node": 2,
                 "colocate": True, "rollout-num-gpus-per-engine": 2, "micro-batch-size": 4,
                 "num-rollout": 2, "over-sampling-batch-size": 4}  # no surplus groups: every sample is fresh
+MEGATRON_EP2_MOE = {
+    "hf-checkpoint": "builtin://tiny-qwen3-moe", "train-backend": "megatron", "expert-model-parallel-size": 2,
+    "expert-tensor-parallel-size": 1, "actor-num-gpus-per-node": 2, "num-rollout": 2, "over-sampling-batch-size": 4,
+    "moe-aux-loss-coeff": 0.01, "num-experts": 8, "moe-router-topk": 2, "moe-ffn-hidden-size": 64,
+    "moe-layer-freq": "[1, 1]", "moe-token-dispatcher-type": "alltoall", "moe-router-dtype": "fp32",
+    "moe-grouped-gemm": True, "moe-permute-fusion": True,
+}
+# Two optimizer steps a rollout; with experts Megatron steps a dense and an expert AdamW in each.
+MEGATRON_RUNS = {"tp2-colocated": (MEGATRON_TP2, "torch.optim.adamw:AdamW.step:3"),
+                 "ep2-moe": (MEGATRON_EP2_MOE, "torch.optim.adamw:AdamW.step:5")}
 
 
-def test_megatron_tensor_parallel_killed_mid_step_resumes_bit_identical(tmp_path_factory, base_config, monkeypatch):
+@pytest.mark.parametrize("layout", MEGATRON_RUNS, ids=list(MEGATRON_RUNS))
+def test_megatron_killed_mid_step_resumes_bit_identical(tmp_path_factory, base_config, layout):
+    flags, fault = MEGATRON_RUNS[layout]
 
     def finished(run_dir: Path) -> tuple[str, list[dict]]:
         export = hashlib.sha256((run_dir / "hf" / "model.safetensors").read_bytes()).hexdigest()
@@ -307,18 +323,24 @@ def test_megatron_tensor_parallel_killed_mid_step_resumes_bit_identical(tmp_path
         return export, history
 
     def config(run_dir: Path) -> Path:
-        return _write_config(run_dir, base_config, **MEGATRON_TP2, **{"save-hf": str(run_dir / "hf")})
+        return _write_config(run_dir, base_config, **flags, **{"save-hf": str(run_dir / "hf")})
 
-    reference_dir = tmp_path_factory.mktemp("megatron-reference")
+    reference_dir = tmp_path_factory.mktemp(f"megatron-{layout}-reference")
     assert _run(config(reference_dir)) == 0
     ref_export, ref_history = finished(reference_dir)
     assert [h["rollout_id"] for h in ref_history] == [0, 1]
     assert all(h["train/train_rollout_logprob_abs_diff"] <= 1e-5 for h in ref_history), ref_history
     assert ref_history[0]["train/pg_loss"] != ref_history[1]["train/pg_loss"]
+    if layout == "ep2-moe":  # Megatron's Switch loss of each MoE layer: 1 when the experts share the tokens evenly
+        assert all(0.9 < h["train/moe_aux_loss"] < 2.0 for h in ref_history), ref_history
+        from safetensors import safe_open
 
-    run_dir = tmp_path_factory.mktemp("megatron-killed")
-    # Two optimizer steps a rollout: the 3rd is rollout 1's first; the other rank waits in its collective.
-    _run(config(run_dir), fault="torch.optim.adamw:AdamW.step:3")
+        with safe_open(str(reference_dir / "hf" / "model.safetensors"), "pt") as exported:
+            assert {f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(8)} <= set(exported.keys())
+
+    run_dir = tmp_path_factory.mktemp(f"megatron-{layout}-killed")
+    # The 3rd optimizer step is rollout 1's first; the other rank waits in its collective.
+    _run(config(run_dir), fault=fault)
     assert find_latest(run_dir / "ckpt").rollout_id == 0
     assert _run(config(run_dir)) == 0
     assert finished(run_dir) == (ref_export, ref_history)

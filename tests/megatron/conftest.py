@@ -22,3 +22,10 @@ def tiny_qwen3(tmp_path_factory) -> Path:
     from vime_engine.models.builtin import materialize_builtin_model
 
     return materialize_builtin_model("tiny-qwen3", tmp_path_factory.mktemp("models") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    from vime_engine.models.builtin import materialize_builtin_model
+
+    return materialize_builtin_model("tiny-qwen3-moe", tmp_path_factory.mktemp("models") / "tiny-qwen3-moe")

@@ -1,6 +1,7 @@
 """The bridge-free HF ↔ Megatron mapping (vime_engine.train.megatron_hf): layouts worked by hand, the round trip
 HF → Megatron → HF bit-exact, logits equal to transformers' in fp32 for each family (Llama untied, Qwen2 with
-q/k/v biases, Qwen3 with q/k norms and tied embeddings), and the same layout as Megatron-Bridge's."""
+q/k/v biases, Qwen3 with q/k norms and tied embeddings, Qwen3-MoE with a dense and a MoE layer), and the same layout
+as Megatron-Bridge's."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def _save(tmp_path, family: str, **extra):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
     config = config_cls(**{**SMALL, **extra})
     torch.manual_seed(0)
@@ -77,11 +79,17 @@ def single_process():
     ("llama", {"tie_word_embeddings": False}),
     ("qwen2", {"tie_word_embeddings": False}),
     ("qwen3", {"tie_word_embeddings": True}),
-], ids=["llama-untied", "qwen2-qkv-bias", "qwen3-qk-norm-tied"])
+    # Layer 0 dense (HF's decoder_sparse_step 2 puts experts in layer 1), the top-2 of 4 experts not renormalised:
+    # Megatron's pre-softmax router.
+    ("qwen3_moe", {"tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "decoder_sparse_step": 2, "norm_topk_prob": False}),
+], ids=["llama-untied", "qwen2-qkv-bias", "qwen3-qk-norm-tied", "qwen3-moe-mixed-layers"])
 def test_round_trip_is_exact_and_logits_match_transformers(tmp_path, single_process, family, extra):
     hf_dir, hf_model = _save(tmp_path, family, **extra)
     arch = HFArchitecture.from_pretrained(hf_dir)
-    assert arch.qkv_bias == (family == "qwen2") and arch.qk_norm == (family == "qwen3")
+    assert arch.qkv_bias == (family == "qwen2") and arch.qk_norm == family.startswith("qwen3")
+    if family == "qwen3_moe":
+        assert arch.moe.layer_pattern == (0, 1) and not arch.moe.renormalize
     model = mm.build_model(arch, mm.ParallelLayout(), torch.float32, CPU, hf_dir=hf_dir)
 
     exported = dict(mm.hf_weight_stream(arch, model, with_lm_head=True))

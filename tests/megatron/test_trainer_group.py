@@ -1,6 +1,8 @@
 """Megatron through the engine's own trainer group: ranks launched as Ray actors by `TrainerGroup` (gloo on CPU),
 TP=2, PP=2 (one layer a stage; the tied embedding shared by the first and last stage) and DP=2 each reproducing
-one rank, and the distributed checkpoint saved by the group resuming in it.
+one rank, and the distributed checkpoint saved by the group resuming in it. The tiny MoE likewise at EP=2 (each
+rank four of the eight experts, tokens dealt by gloo's all_to_all) and at TP=2 with sequence parallelism, whose
+experts split over both ranks (ETP=2); EP=2's torch_dist checkpoint of the experts resumes bit-identical.
 """
 
 from __future__ import annotations
@@ -71,5 +73,46 @@ def test_group_checkpoint_resumes_in_a_new_group(tiny_qwen3, cluster, tmp_path):
         assert metrics["train/pg_loss"] == expected_metrics["train/pg_loss"]
         weights = resumed.weights()
         assert all((weights[n] == expected[n]).all() for n in expected)  # bit-identical: the same ranks' math
+    finally:
+        resumed.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_rank_moe(tiny_qwen3_moe, cluster):
+    metrics, weights, group = _trained(tiny_qwen3_moe)
+    group.shutdown()
+    return metrics, weights
+
+
+EP2 = {"expert-model-parallel-size": 2, "actor-num-gpus-per-node": 2}
+
+
+@pytest.mark.parametrize("layout", [
+    EP2, {"tensor-model-parallel-size": 2, "sequence-parallel": True, "actor-num-gpus-per-node": 2},
+], ids=["ep2", "tp2-sp-etp2"])
+def test_moe_group_of_two_expert_parallel_ranks_trains_like_one(tiny_qwen3_moe, one_rank_moe, layout, tmp_path):
+    metrics, weights, group = _trained(tiny_qwen3_moe, **layout)
+    try:
+        ref_metrics, ref_weights = one_rank_moe
+        for key in ("train/pg_loss", "train/ppo_kl", "train/entropy_loss"):
+            assert metrics[key] == pytest.approx(ref_metrics[key], abs=1e-5), key
+        assert set(weights) == set(ref_weights)  # every expert, gathered into its HF name
+        assert max((weights[n] - ref_weights[n]).abs().max().item() for n in weights) < 5e-5
+        if layout is not EP2:
+            return
+        group.save_state(str(tmp_path / "ckpt"))
+        vocab = ray.get(group.leader.__ray_call__.remote(lambda self: self.backend.vocab_size))
+        expected_metrics, expected = group.train(fixed_rollout(vocab, seed=1)), group.weights()
+    finally:
+        group.shutdown()
+
+    from vime_engine.checkpoint.manifest import build_manifest
+
+    resumed = TrainerGroup(tiny_config(tiny_qwen3_moe, **EP2), CPU)
+    try:
+        resumed.load_state(str(tmp_path / "ckpt"), build_manifest(tmp_path / "ckpt").files)
+        assert resumed.train(fixed_rollout(vocab, seed=1))["train/pg_loss"] == expected_metrics["train/pg_loss"]
+        weights = resumed.weights()
+        assert all((weights[n] == expected[n]).all() for n in expected)
     finally:
         resumed.shutdown()

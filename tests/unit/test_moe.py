@@ -1,19 +1,27 @@
 """The tiny mixture-of-experts model on the torch backend: the router's load-balancing loss (HF's aux_loss) under
---moe-aux-loss-coeff, and vime's MoE model flags checked against config.json."""
+--moe-aux-loss-coeff; vime's MoE model flags checked against config.json, its MoE run settings and the expert-parallel
+layout checked before anything starts."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
 
-from vime_engine.config import build_config
+from vime_engine.config import ConfigError, build_config, with_overrides
 from vime_engine.models.builtin import materialize_builtin_model
 from vime_engine.preflight import PreflightError, check_inputs
 from vime_engine.sample import Sample
-from vime_engine.train.megatron_model_flags import ModelFlagMismatch, check_model_flags
+from vime_engine.train.megatron_model_flags import (
+    ModelFlagMismatch,
+    check_expert_layout,
+    check_model_flags,
+    megatron_layer_pattern,
+    moe_layer_pattern,
+)
 from vime_engine.train.objective import MicroBatchOutputs, MicroBatchTargets, micro_batch_loss
 from vime_engine.train.torch_backend import TorchTrainBackend
 
@@ -126,3 +134,107 @@ def test_moe_flags_on_a_dense_model_are_refused(tiny_model, arithmetic_data):
                               "moe-aux-loss-coeff": 0.01})
     with pytest.raises(PreflightError, match="--moe-aux-loss-coeff 0.01: the model has no experts"):
         check_inputs(cfg)
+
+
+# The MoE part of vime's scripts/models/qwen3-30B-A3B.sh (our transcription), with the tiny MoE's sizes: every flag
+# is accepted and describes the model or says how Megatron runs its layers.
+QWEN3_30B_A3B_MOE_FLAGS = [
+    "--moe-ffn-hidden-size", "64", "--moe-router-score-function", "softmax", "--moe-token-dispatcher-type", "alltoall",
+    "--moe-router-topk", "2", "--moe-layer-freq", "[1, 1]", "--num-experts", "8", "--moe-grouped-gemm",
+    "--moe-token-drop-policy", "probs", "--moe-router-dtype", "fp32", "--moe-permute-fusion",
+    "--moe-aux-loss-coeff", "0", "--rotary-percent", "1.0",
+]
+
+
+def test_vimes_qwen3_30b_a3b_moe_flags_pass_the_megatron_preflight_and_reach_megatrons_settings(
+        moe_dir, arithmetic_data):
+    from vime_engine.train.megatron_layout import ParallelLayout
+
+    cfg = build_config([*QWEN3_30B_A3B_MOE_FLAGS, "--train-backend", "megatron", "--expert-model-parallel-size", "2",
+                        "--actor-num-gpus-per-node", "2", "--global-batch-size", "2", "--input-key", "question",
+                        "--label-key", "answer"],
+                       **{"hf-checkpoint": str(moe_dir), "prompt-data": str(arithmetic_data)})
+    check_inputs(cfg)
+    moe = ParallelLayout.from_flags(cfg.megatron, cfg.algorithm.moe_aux_loss_coeff).moe
+    assert (moe.token_dispatcher, moe.router_dtype, moe.grouped_gemm, moe.permute_fusion) == (
+        "alltoall", "fp32", True, True)
+    flex = with_overrides(cfg, **{"moe-token-dispatcher-type": "flex"})
+    with pytest.raises(PreflightError, match="--moe-token-dispatcher-type flex"):  # before Ray starts
+        check_inputs(flex)
+
+
+@pytest.mark.parametrize("flags, said", [
+    ({"moe-layer-freq": "2"}, "--moe-layer-freq 2 gives the MoE layers [0] of 2; config.json decoder_sparse_step = 1"),
+    ({"moe-layer-freq": "[0]*1+[1]*1"}, "gives the MoE layers [1] of 2"),
+    ({"moe-layer-freq": "__import__('os')"}, "expected an integer or a list of 0/1"),
+    ({"moe-router-pre-softmax": True}, "norm_topk_prob"),
+    ({"moe-router-topk-scaling-factor": 2.5}, "routed_scaling_factor"),
+    ({"moe-shared-expert-intermediate-size": 64}, "no shared expert"),
+    ({"moe-router-enable-expert-bias": True}, "Qwen3-MoE's router has none"),
+    ({"moe-router-bias-update-rate": 0.0}, "moves the expert bias"),
+])
+def test_a_moe_flag_for_another_router_or_layer_pattern_is_refused(moe_dir, flags, said):
+    config = json.loads((moe_dir / "config.json").read_text())
+    with pytest.raises(ModelFlagMismatch, match=re.escape(said)):
+        check_model_flags(flags, config, "config.json")
+
+
+@pytest.mark.parametrize("flags, said", [
+    ({"expert-model-parallel-size": 3}, "the model's 8 experts (config.json num_experts, config.json) do not split "
+                                        "evenly over 3 ranks"),
+    ({"expert-model-parallel-size": 2, "tensor-model-parallel-size": 2}, "needs --sequence-parallel"),
+])
+def test_an_expert_layout_the_moe_cannot_take_is_refused(moe_dir, flags, said):
+    config = json.loads((moe_dir / "config.json").read_text())
+    check_expert_layout({"expert-model-parallel-size": 2, "tensor-model-parallel-size": 2, "sequence-parallel": True},
+                        config, "config.json")
+    with pytest.raises(ModelFlagMismatch, match=re.escape(said)):
+        check_expert_layout(flags, config, "config.json")
+
+
+def test_expert_parallelism_of_a_dense_model_is_refused(tiny_model):
+    config = json.loads((tiny_model / "config.json").read_text())
+    with pytest.raises(ModelFlagMismatch, match="--expert-model-parallel-size 2: the model has no experts to split"):
+        check_expert_layout({"expert-model-parallel-size": 2}, config, "config.json")
+    with pytest.raises(ModelFlagMismatch, match="--moe-layer-freq 1: the model has no experts"):
+        check_model_flags({"moe-layer-freq": "1"}, config, "config.json")
+
+
+@pytest.mark.parametrize("value, layers, pattern", [
+    ("1", 3, (1, 1, 1)), ("2", 4, (1, 0, 1, 0)), ("[0]*1+[1]*3", 4, (0, 1, 1, 1)), ("[1, 0, 1]", 3, (1, 0, 1)),
+])
+def test_moe_layer_freq_reads_as_megatron_reads_it(value, layers, pattern):
+    assert megatron_layer_pattern(value, layers) == pattern
+
+
+def test_hfs_sparse_step_counts_layers_from_one():
+    # Qwen-MoE's decoder_sparse_step 2: layers 1 and 3 have experts (Megatron's --moe-layer-freq 2 would be 0 and 2).
+    assert moe_layer_pattern(4, 2, []) == (0, 1, 0, 1)
+    assert moe_layer_pattern(4, 1, [0]) == (0, 1, 1, 1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1 "
+                                             "needs --expert-model-parallel-size > 1"),
+    (["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
+     "do not split into expert tensor × expert × pipeline parallel groups of 2 × 2 × 1"),
+])
+def test_expert_layouts_megatron_would_get_wrong_fail_naming_the_flags(flags, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_config(["--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--global-batch-size", "2",
+                      *flags], **{"hf-checkpoint": "/models/m", "prompt-data": "/data/p.jsonl"})
+
+
+@pytest.mark.parametrize("flags, said", [
+    ({"moe-token-dispatcher-type": "flex"}, "--moe-token-dispatcher-type flex: the engine's MoE layers dispatch with "
+                                            "alltoall or allgather"),
+    ({"moe-router-dtype": "bf16"}, "--moe-router-dtype bf16: expected fp32 or fp64"),
+    ({"moe-token-drop-policy": "random"}, "--moe-token-drop-policy random: expected probs or position"),
+    ({"moe-token-dispatcher-type": "allgather", "expert-model-parallel-size": 2},
+     "that dispatcher gathers equal blocks of tokens from every expert-parallel rank"),
+])
+def test_moe_run_settings_megatron_cannot_take_here_are_refused(flags, said):
+    from vime_engine.train.megatron_layout import MegatronSetupError, ParallelLayout
+
+    with pytest.raises(MegatronSetupError, match=re.escape(said)):
+        ParallelLayout.from_flags(flags)

@@ -83,6 +83,7 @@ def _check_parallel_layout(cfg: EngineConfig) -> None:
         if parallel:
             raise ConfigError(f"{', '.join(parallel)} need --train-backend megatron (the {t.train_backend} backend "
                               "is data parallel only)")
+    _check_expert_parallel_layout(cfg, world, ranks)
     model_parallel = cfg.model_parallel_size
     if world % model_parallel:
         raise ConfigError(
@@ -96,6 +97,25 @@ def _check_parallel_layout(cfg: EngineConfig) -> None:
             f"trainer ranks / model-parallel size {model_parallel}): use a multiple of {dp}"
         )
     _check_rollout_layout(cfg)
+
+
+def _check_expert_parallel_layout(cfg: EngineConfig, world: int, ranks: str) -> None:
+    """Megatron's MoE layers split the ranks by expert tensor × expert × pipeline parallelism (the rest replicate
+    the experts), and reduce an expert's gradients apart from the dense ones only under expert parallelism."""
+    m = cfg.megatron
+    tensor, pipeline = m.get("tensor-model-parallel-size") or 1, m.get("pipeline-model-parallel-size") or 1
+    expert, expert_tensor = m.get("expert-model-parallel-size") or 1, m.get("expert-tensor-parallel-size") or tensor
+    if world % (expert * expert_tensor * pipeline):
+        raise ConfigError(
+            f"{ranks} trainer ranks do not split into expert tensor × expert × pipeline parallel groups of "
+            f"{expert_tensor} × {expert} × {pipeline}: make the rank count a multiple of "
+            f"{expert * expert_tensor * pipeline}")
+    if expert == 1 and expert_tensor != tensor:
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {expert_tensor} with --tensor-model-parallel-size {tensor} needs "
+            "--expert-model-parallel-size > 1: without expert parallelism Megatron reduces the experts' gradients "
+            "over the data-parallel ranks like the dense ones', which would sum different shards; give the same "
+            "size or add expert parallelism")
 
 
 def _check_rollout_layout(cfg: EngineConfig) -> None:

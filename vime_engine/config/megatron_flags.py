@@ -53,6 +53,19 @@ MEGATRON_FLAGS: dict[str, type] = {
     "moe-ffn-hidden-size": int,
     "moe-router-score-function": str,
     "moe-router-load-balancing-type": str,
+    "moe-layer-freq": str,
+    "moe-router-pre-softmax": bool,
+    "moe-router-topk-scaling-factor": float,
+    "moe-shared-expert-intermediate-size": int,
+    "moe-router-enable-expert-bias": bool,
+    "moe-router-bias-update-rate": float,
+    "rotary-percent": float,
+    # How Megatron runs the MoE layers (vime_engine/train/megatron_layout.MoESettings).
+    "moe-token-dispatcher-type": str,
+    "moe-router-dtype": str,
+    "moe-token-drop-policy": str,
+    "moe-grouped-gemm": bool,
+    "moe-permute-fusion": bool,
 }
 PARALLEL_FLAGS = [f for f in MEGATRON_FLAGS if f.endswith("parallel-size")]
 

@@ -231,8 +231,8 @@ class AlgorithmConfig(_Section):
 class TrainConfig(_Section):
     train_backend: Literal["torch", "fsdp", "megatron"] = Field(
         "torch", description="torch: an HF model, data parallel by DDP; fsdp: the same with parameters, gradients "
-        "and optimizer state sharded over the ranks (FSDP2); megatron: Megatron-Core, with tensor, pipeline and "
-        "data parallelism")
+        "and optimizer state sharded over the ranks (FSDP2); megatron: Megatron-Core, with tensor, pipeline, "
+        "expert and data parallelism")
     global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step")
     num_steps_per_rollout: int | None = Field(
         None, ge=1, description="optimizer steps per rollout; default: the rollout's samples / --global-batch-size"

@@ -7,6 +7,10 @@ gradient clipping asserts that every gradient is a `torch.cuda.FloatTensor`. On 
 land on the CPU here and gradients are clipped by the same rule, so `vimeflow convert`, `vimeflow train --train-backend megatron`
 and the pipeline's convert stage run on CPU from the installed package.
 
+Mixture-of-experts layers and sequence parallelism need four more: TE's fused MoE kernels defined as absent (0.16),
+the token dispatcher's split sizes on the host as the device path leaves them, uneven all-gathers (expert tensor
+parallelism) over gloo, and torch's norms marked for sequence parallelism as Apex's and TE's are.
+
 `prepare_accelerator(CPU)` calls `enable_megatron_on_cpu()` in every process that trains or converts with
 Megatron (the driver's convert, each trainer rank); it does nothing where CUDA is available, so a GPU keeps the
 real calls.
@@ -15,6 +19,7 @@ real calls.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import sys
@@ -48,6 +53,10 @@ def enable_megatron_on_cpu() -> None:
     _map_cuda_rng_onto_cpu()
     _redirect_megatron_factories()
     _clip_gradients_on_cpu()
+    _moe_kernels_absent_without_transformer_engine()
+    _moe_split_sizes_on_host()
+    _uneven_first_dim_collectives_on_gloo()
+    _sequence_parallel_torch_norms()
 
 
 def _map_cuda_runtime_onto_cpu() -> None:
@@ -88,11 +97,16 @@ def _map_cuda_rng_onto_cpu() -> None:
 
 
 class _CpuStream:
+    """A stream and its events at once: work is already ordered on the CPU."""
+
     def __init__(self, *args, **kwargs):
         pass
 
+    def record_event(self, event=None) -> _CpuStream:
+        return self  # the MoE token dispatcher synchronizes on the event a stream records
+
     def __getattr__(self, name: str):
-        return lambda *args, **kwargs: None  # wait_stream, wait_event, record_event, record, synchronize
+        return lambda *args, **kwargs: None  # wait_stream, wait_event, record, synchronize, query
 
 
 def is_cuda_device(device: object) -> bool:
@@ -169,3 +183,96 @@ def _clip_gradients_on_cpu() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.") and getattr(module, "clip_grad_by_total_norm_fp32", None) is original:
             module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_on_cpu
+
+
+# Transformer Engine's fused MoE kernels, which megatron-core's moe_utils tests against None before use.
+_TE_MOE_KERNELS = (
+    "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute", "fused_permute_with_probs",
+    "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+    "fused_unpermute", "te_general_gemm",
+)
+
+
+def _moe_kernels_absent_without_transformer_engine() -> None:
+    """megatron-core 0.16 leaves those names undefined when TE is not installed (there never is on CPU), so its
+    router's first forward dies with NameError; 0.19 sets them to None, which selects the plain torch code."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False):
+        for name in _TE_MOE_KERNELS:
+            if not hasattr(moe_utils, name):
+                setattr(moe_utils, name, None)
+
+
+def _moe_split_sizes_on_host() -> None:
+    """The MoE alltoall dispatcher copies its split sizes from the device to the host as numpy arrays
+    (`maybe_move_tensor_to_cpu(..., as_numpy=True)`) for `all_to_all_single`, which takes sequences of ints; for a
+    tensor already on the CPU that helper returns the tensor itself, which gloo's all_to_all_single refuses. Here
+    the CPU tensors get the host form the device ones would."""
+    from megatron.core.transformer.moe import moe_utils
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def on_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and getattr(module, "maybe_move_tensor_to_cpu", None) is original:
+            module.maybe_move_tensor_to_cpu = on_host
+
+
+def _uneven_first_dim_collectives_on_gloo() -> None:
+    """Expert tensor parallelism gathers token blocks of different sizes per rank (`output_split_sizes`), which
+    megatron-core does with `all_gather` over a list of unequal tensors: NCCL can, gloo needs equal sizes. On CPU
+    that gather runs as one all_gather of blocks padded to the largest (the reduce-scatter back is gloo's own)."""
+    from megatron.core.tensor_parallel import mappings
+
+    gather = mappings._gather_along_first_dim
+
+    @functools.wraps(gather)
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        return torch.cat(_gather_padded(input_, group, list(output_split_sizes)))
+
+    mappings._gather_along_first_dim = gather_uneven
+
+
+def _gather_padded(tensor: torch.Tensor, group, sizes: list[int]) -> list[torch.Tensor]:
+    """Every rank's `tensor` (rank r's has sizes[r] rows), gathered with one equal-size all_gather of blocks
+    padded to the largest; collective over `group`."""
+    longest = max(sizes)
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    blocks = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(blocks, padded, group=group)
+    return [block[:size] for block, size in zip(blocks, sizes)]
+
+
+def _sequence_parallel_torch_norms() -> None:
+    """Sequence parallelism with megatron-core's local layers: their norms are torch's (`WrappedTorchNorm`), which
+    refuse `sequence_parallel` because only Apex's and Transformer Engine's (CUDA) norms mark their weights for it.
+    Under sequence parallelism each tensor-parallel rank normalises its slice of the sequence, so a norm weight's
+    gradient is partial and must be summed over the ranks, which Megatron's `finalize_model_grads` does for
+    weights marked `sequence_parallel`. On CPU torch's norms are built so and marked the same way (Megatron needs
+    sequence parallelism for a MoE model under tensor parallelism)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                normalization="LayerNorm"):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        without = copy.copy(config)
+        without.sequence_parallel = False
+        norm = original(cls, without, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = __new__

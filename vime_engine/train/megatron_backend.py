@@ -52,6 +52,7 @@ class _MicroBatch:
     positions: Tensor
     rows: Tensor  # per response token: its row in input_ids
     columns: Tensor  # per response token: its position in input_ids
+    padding: Tensor  # [rows, length]: True after each row's sample (its MoE router's loss leaves those out)
 
 
 class MegatronTrainBackend:
@@ -70,7 +71,7 @@ class MegatronTrainBackend:
             raise mm.MegatronSetupError(f"--advantage-estimator {cfg.algorithm.advantage_estimator} needs a critic: "
                                         "use --train-backend torch")
         self.mm, self.ps = mm, parallel_state
-        self.layout = mm.ParallelLayout.from_flags(cfg.megatron)
+        self.layout = mm.ParallelLayout.from_flags(cfg.megatron, cfg.algorithm.moe_aux_loss_coeff)
         mm.init_distributed(self.accelerator, self.layout, cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
         self.device = torch.device(self.accelerator.torch_device)
@@ -103,6 +104,13 @@ class MegatronTrainBackend:
             self.model,
         )
         self.scheduler = _StepSchedule(cfg, self.optimizer)
+        # Megatron's MoE routers add --moe-aux-loss-coeff × their load-balancing loss to the backward themselves
+        # (each micro-batch's as its share 1 / micro-batches, averaged over data-parallel ranks like the gradients).
+        self.router_losses = None
+        if self.arch.moe is not None and self.layout.moe.aux_loss_coeff > 0:
+            from vime_engine.train.megatron_moe import RouterLossRecorder
+
+            self.router_losses = RouterLossRecorder([mm.unwrap(chunk) for chunk in self.model])
         config = get_model_config(self.model[0])
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
@@ -114,13 +122,16 @@ class MegatronTrainBackend:
     def _inputs(self, samples: list[Sample], indices: list[int]) -> _MicroBatch:
         chosen = [samples[i] for i in indices]
         longest = max(s.total_length for s in chosen)
+        if self.layout.sequence_parallel:  # the sequence splits evenly over the tensor-parallel ranks
+            longest = -(-longest // self.layout.tensor) * self.layout.tensor
         input_ids = torch.zeros(len(chosen), longest, dtype=torch.long)
         for row, s in enumerate(chosen):
             input_ids[row, : s.total_length] = torch.tensor(s.prompt_tokens + s.response_tokens)
         rows = torch.repeat_interleave(torch.arange(len(chosen)), torch.tensor([s.response_length for s in chosen]))
         columns = torch.cat([torch.arange(len(s.prompt_tokens), s.total_length) for s in chosen])
         positions = torch.arange(longest).unsqueeze(0).expand(len(chosen), -1)
-        return _MicroBatch(indices, *(x.to(self.device) for x in (input_ids, positions, rows, columns)))
+        padding = positions >= torch.tensor([s.total_length for s in chosen]).unsqueeze(1)
+        return _MicroBatch(indices, *(x.to(self.device) for x in (input_ids, positions, rows, columns, padding)))
 
     def _response_outputs(self, batch: _MicroBatch, output: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Flat response log-probs and, if asked, entropy of one micro-batch from the last stage's output."""
@@ -137,7 +148,11 @@ class MegatronTrainBackend:
 
         def forward_step(data_iterator, chunk):
             batch = next(data_iterator)
-            output = chunk(input_ids=batch.input_ids, position_ids=batch.positions, attention_mask=None)
+            moe = {}
+            if self.router_losses is not None:
+                self.router_losses.clear()  # drops what a recomputed forward recorded in the last backward
+                moe["padding_mask"] = batch.padding
+            output = chunk(input_ids=batch.input_ids, position_ids=batch.positions, attention_mask=None, **moe)
             return output, partial(loss_func, batch)
 
         return get_forward_backward_func()(
@@ -201,6 +216,9 @@ class MegatronTrainBackend:
             loss, metrics = micro_batch_loss(
                 self.cfg, MicroBatchOutputs(log_probs, entropy), targets, global_tokens, global_samples
             )
+            aux = self.router_losses.layer_mean() if self.router_losses is not None else None
+            if aux is not None:  # its share of the mean over micro-batches and data-parallel ranks
+                metrics["train/moe_aux_loss"] = aux / scale
             return loss * scale, metrics
 
         for chunk in self.model:

@@ -1,4 +1,4 @@
-"""Hugging Face ↔ Megatron-Core for the dense decoders this engine trains (Llama, Qwen2, Qwen3), with no
+"""Hugging Face ↔ Megatron-Core for the decoders this engine trains (Llama, Qwen2, Qwen3 dense, Qwen3-MoE), with no
 Megatron-Bridge.
 
 Three pieces, each working on megatron-core 0.16 (Python 3.11) and 0.19 (Python 3.12) alike:
@@ -17,12 +17,22 @@ splits the groups. `linear_fc1` holds gate and up; each tensor-parallel rank hol
 its slice of up. The vocabulary is padded to a multiple of the tensor-parallel size (rows of zeros, cut off again
 on export and from the logits). Tied embeddings have one matrix: exported as `model.embed_tokens.weight`, and
 also as `lm_head.weight` when asked (vLLM needs it).
+
+Mixture of experts (Qwen3-MoE): each MoE layer's router (`mlp.router.weight` ← `mlp.gate.weight`, on every rank) and
+its routed experts, each a gated MLP laid out like the dense one (`linear_fc1` = gate then up, `linear_fc2` = down;
+split by expert tensor parallelism). Expert parallelism deals the experts out in blocks: rank r of the
+expert-parallel group holds experts r·L … r·L+L−1 (L = experts / EP size) as its local experts 0 … L−1, in
+Megatron's SequentialMLP (`local_experts.{j}.linear_fc1.weight`) or, with Transformer Engine's grouped GEMM,
+TEGroupedMLP (`linear_fc1.weight{j}`). Qwen3-MoE has no shared expert; a config that declares one is refused.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+import logging
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,11 +41,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from vime_engine.train.megatron_layout import ParallelLayout
+from vime_engine.train.megatron_layout import MoESettings, ParallelLayout
+from vime_engine.train.megatron_model_flags import moe_layer_pattern
 
+log = logging.getLogger(__name__)
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # model_type → (q/k/v biases, per-head q/k RMSNorm). Llama's optional biases are refused in `from_hf_config`.
-_FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
+_FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True), "qwen3_moe": (False, True)}
+_MOE_FAMILIES = ("qwen3_moe",)
 
 # A converted checkpoint (vime_engine.convert): torch_dist weights in TORCH_DIST_ITERATION_DIR/, the source's
 # config and tokenizer in HF_CONFIG_DIR/.
@@ -69,6 +82,36 @@ class UnsupportedHFModel(ValueError):
 
 
 @dataclass(frozen=True)
+class MoEArchitecture:
+    """The routed experts of a mixture-of-experts model (Qwen3-MoE: no shared expert).
+
+    Routing (HF's and vLLM's): softmax over the router's logits, the top-k experts, their probabilities
+    renormalised to sum to 1 when `renormalize` (config.norm_topk_prob). Megatron's softmax router gives the same
+    weights as a softmax over the top-k logits (renormalised) or, with pre-softmax, the top-k of the full softmax.
+    """
+
+    num_experts: int
+    ffn_hidden_size: int  # each expert's intermediate size (moe_intermediate_size)
+    topk: int
+    renormalize: bool
+    layer_pattern: tuple[int, ...]  # per layer: 1 a MoE layer, 0 a dense MLP of the model's intermediate_size
+
+    @classmethod
+    def from_hf_config(cls, config, num_layers: int, source: str) -> MoEArchitecture:
+        num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        if not num_experts:
+            raise UnsupportedHFModel(f"{source}: config.num_experts is missing for model_type {config.model_type}")
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            raise UnsupportedHFModel(f"{source}: config.shared_expert_intermediate_size: shared experts are not "
+                                     "mapped for this family")
+        pattern = moe_layer_pattern(num_layers, getattr(config, "decoder_sparse_step", 1) or 1,
+                                    list(getattr(config, "mlp_only_layers", None) or []))
+        return cls(num_experts=num_experts, ffn_hidden_size=config.moe_intermediate_size,
+                   topk=config.num_experts_per_tok, renormalize=bool(getattr(config, "norm_topk_prob", False)),
+                   layer_pattern=pattern)
+
+
+@dataclass(frozen=True)
 class HFArchitecture:
     model_type: str
     vocab_size: int
@@ -84,6 +127,7 @@ class HFArchitecture:
     tied_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoEArchitecture | None = None  # None: a dense model
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> HFArchitecture:
@@ -103,7 +147,7 @@ class HFArchitecture:
         for field in ("attention_bias", "mlp_bias"):
             if model_type == "llama" and getattr(config, field, False):
                 raise UnsupportedHFModel(f"{source}: config.{field}=true is not supported by the Megatron mapping")
-        if model_type == "qwen3" and getattr(config, "attention_bias", False):
+        if model_type in ("qwen3", "qwen3_moe") and getattr(config, "attention_bias", False):
             raise UnsupportedHFModel(f"{source}: config.attention_bias=true is not supported by the Megatron mapping")
         if getattr(config, "use_sliding_window", False):
             raise UnsupportedHFModel(f"{source}: config.use_sliding_window=true is not supported by Megatron")
@@ -122,6 +166,8 @@ class HFArchitecture:
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
             max_positions=config.max_position_embeddings,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)), qkv_bias=qkv_bias, qk_norm=qk_norm,
+            moe=MoEArchitecture.from_hf_config(config, config.num_hidden_layers, source)
+            if model_type in _MOE_FAMILIES else None,
         )
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
@@ -142,7 +188,9 @@ def transformer_config(arch: HFArchitecture, layout: ParallelLayout, dtype: torc
     from megatron.core.transformer import TransformerConfig
 
     fused = transformer_engine_available()
-    extra = {}
+    # Micro-batches are padded to their own longest sample, so pipeline stages exchange varying shapes; Megatron
+    # checks the MoE dispatcher allows that even for dense models (none dispatches there).
+    extra = {"moe_token_dispatcher_type": "alltoall"}
     if layout.attention_softmax_in_fp32 is not None:
         extra["attention_softmax_in_fp32"] = layout.attention_softmax_in_fp32
     if layout.attention_backend is not None:
@@ -154,6 +202,8 @@ def transformer_config(arch: HFArchitecture, layout: ParallelLayout, dtype: torc
                      recompute_num_layers=layout.recompute_num_layers)
     if layout.expert_tensor is not None:
         extra["expert_tensor_parallel_size"] = layout.expert_tensor
+    if arch.moe is not None:
+        extra.update(moe_config(arch.moe, layout.moe, fused))
     return TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
@@ -163,9 +213,7 @@ def transformer_config(arch: HFArchitecture, layout: ParallelLayout, dtype: torc
         tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
         context_parallel_size=layout.context, expert_model_parallel_size=layout.expert,
         sequence_parallel=layout.sequence_parallel,
-        # Micro-batches are padded to their own longest sample, so pipeline stages exchange varying shapes; Megatron
-        # checks the MoE dispatcher allows that even for dense models (none dispatches here).
-        variable_seq_lengths=layout.pipeline > 1, moe_token_dispatcher_type="alltoall",
+        variable_seq_lengths=layout.pipeline > 1,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=use_cpu_initialization,
         masked_softmax_fusion=fused, bias_activation_fusion=fused, bias_dropout_fusion=fused,
@@ -175,10 +223,40 @@ def transformer_config(arch: HFArchitecture, layout: ParallelLayout, dtype: torc
     )
 
 
-def layer_spec(arch: HFArchitecture):
+@functools.cache
+def _say_unfused(flag: str) -> None:
+    """Once a process: a Transformer Engine kernel asked for that this machine does not have."""
+    log.warning("%s: Transformer Engine is not installed here, so the experts run without that kernel (the same "
+                "function and checkpoint layout, only slower)", flag)
+
+
+def moe_config(moe: MoEArchitecture, settings: MoESettings, transformer_engine: bool) -> dict:
+    """TransformerConfig's mixture-of-experts fields: the experts and routing of config.json, run as `settings`
+    (megatron_layout.MoESettings) say. No token is ever dropped (no capacity factor): vLLM drops none."""
+    for flag, wanted in (("--moe-grouped-gemm", settings.grouped_gemm), ("--moe-permute-fusion", settings.permute_fusion)):
+        if wanted and not transformer_engine:
+            _say_unfused(flag)
+    return dict(
+        num_moe_experts=moe.num_experts, moe_ffn_hidden_size=moe.ffn_hidden_size, moe_router_topk=moe.topk,
+        moe_router_score_function="softmax", moe_router_pre_softmax=not moe.renormalize,
+        moe_layer_freq=1 if all(moe.layer_pattern) else list(moe.layer_pattern),
+        moe_token_dispatcher_type=settings.token_dispatcher, moe_router_dtype=settings.router_dtype,
+        moe_router_load_balancing_type="aux_loss" if settings.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=settings.aux_loss_coeff, moe_token_drop_policy=settings.token_drop_policy,
+        moe_grouped_gemm=settings.grouped_gemm and transformer_engine,
+        moe_permute_fusion=settings.permute_fusion and transformer_engine,
+    )
+
+
+def layer_spec(arch: HFArchitecture, config):
+    """The decoder's layer spec: Transformer Engine layers when TE is installed, Megatron's local layers otherwise;
+    for a mixture-of-experts model one spec per layer (MoE or dense MLP, config.moe_layer_freq)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if transformer_engine_available():
+    te = transformer_engine_available()
+    if arch.moe is not None:
+        return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    if te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
 
@@ -198,7 +276,15 @@ _LAYER = {
     "mlp.linear_fc1.layer_norm_weight": ("copy", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("copy", ("mlp.down_proj.weight",)),
+    "mlp.router.weight": ("copy", ("mlp.gate.weight",)),
 }
+# A routed expert's MLP inside a MoE layer: SequentialMLP's `local_experts.{j}.linear_fc1.weight`, or TEGroupedMLP's
+# `linear_fc1.weight{j}`; j is the expert's index on this expert-parallel rank.
+_EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(?P<j>\d+)\.(?P<fc>linear_fc[12])\.weight"
+                     r"|(?P<grouped_fc>linear_fc[12])\.weight(?P<grouped_j>\d+))")
+_EXPERT_MLP = {"linear_fc1": ("gate_up", ("gate_proj.weight", "up_proj.weight")),
+               "linear_fc2": ("copy", ("down_proj.weight",))}
+_HF_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 _OUTSIDE_LAYERS = {
     "embedding.word_embeddings.weight": ("vocab", (EMBED,)),
     "decoder.final_layernorm.weight": ("copy", ("model.norm.weight",)),
@@ -206,13 +292,25 @@ _OUTSIDE_LAYERS = {
 }
 
 
-def _hf_source(name: str, module: torch.nn.Module, arch: HFArchitecture) -> tuple[str, tuple[str, ...]]:
-    """(combination, HF names) for Megatron parameter `name` of GPTModel `module` (layer numbers made global)."""
+def is_expert(name: str) -> bool:
+    """Whether Megatron parameter `name` belongs to a routed expert (split by expert, not tensor, parallelism)."""
+    return _EXPERT.search(name) is not None
+
+
+def _hf_source(name: str, module: torch.nn.Module, arch: HFArchitecture,
+               first_expert: int = 0) -> tuple[str, tuple[str, ...]]:
+    """(combination, HF names) for Megatron parameter `name` of GPTModel `module` (layer numbers made global; a
+    routed expert's local index counted from `first_expert`, the first expert its expert-parallel rank holds)."""
     if name.startswith("decoder.layers."):
         local, rest = name[len("decoder.layers."):].split(".", 1)
+        layer = module.decoder.layers[int(local)].layer_number - 1  # 1-based and global across pipeline stages
+        expert = _EXPERT.fullmatch(rest)
+        if expert is not None:
+            index = first_expert + int(expert["j"] or expert["grouped_j"])
+            kind, names = _EXPERT_MLP[expert["fc"] or expert["grouped_fc"]]
+            return kind, tuple(f"model.layers.{layer}.mlp.experts.{index}.{n}" for n in names)
         if rest not in _LAYER:
             raise UnsupportedHFModel(f"Megatron parameter {name} has no HF counterpart in the mapping")
-        layer = module.decoder.layers[int(local)].layer_number - 1  # 1-based and global across pipeline stages
         kind, names = _LAYER[rest]
         return kind, tuple(f"model.layers.{layer}.{n}" for n in names)
     if name not in _OUTSIDE_LAYERS:
@@ -277,7 +375,7 @@ def hf_tensors(kind: str, shards: list[Tensor], arch: HFArchitecture, split_dim:
 
 
 # -- HF → Megatron ---------------------------------------------------------------------------------------------
-def _open_safetensors(hf_dir: Path) -> dict[str, Path]:
+def safetensors_files(hf_dir: Path) -> dict[str, Path]:
     """HF tensor name → the safetensors file holding it."""
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -295,14 +393,16 @@ def load_hf_weights(modules: list[torch.nn.Module], arch: HFArchitecture, hf_dir
     """Copy the HF checkpoint's tensors into this rank's parameter shards of the (unwrapped) GPT modules.
 
     Every parameter must be filled; with the whole model on this rank (no pipeline split) every HF tensor must
-    also be used, so a weight the mapping does not know (a bias, an extra norm) fails here instead of vanishing.
+    also be used, the experts of the other expert-parallel ranks aside, so a weight the mapping does not know (a
+    bias, an extra norm) fails here instead of vanishing.
     """
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
     from safetensors import safe_open
 
     hf_dir = Path(hf_dir)
-    files = _open_safetensors(hf_dir)
-    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    files = safetensors_files(hf_dir)
+    dense = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    experts = _ExpertRanks.current(arch)
     handles: dict[Path, object] = {}
     used: set[str] = set()
 
@@ -317,7 +417,9 @@ def load_hf_weights(modules: list[torch.nn.Module], arch: HFArchitecture, hf_dir
     with torch.no_grad():
         for module in modules:
             for name, param in module.named_parameters():
-                kind, names = _hf_source(name, module, arch)
+                expert = is_expert(name)
+                kind, names = _hf_source(name, module, arch, experts.first if expert else 0)
+                rank, size = experts.tensor if expert else dense
                 shard = megatron_shard(kind, [read(n) for n in names], arch, _tp_split(param), rank, size)
                 if shard.shape != param.shape:
                     raise UnsupportedHFModel(
@@ -325,34 +427,81 @@ def load_hf_weights(modules: list[torch.nn.Module], arch: HFArchitecture, hf_dir
                         f"{tuple(param.shape)}"
                     )
                 param.copy_(shard)
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        unused = set(files) - used - ({LM_HEAD} if arch.tied_embeddings else set())
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        others = {n for n in files if (m := _HF_EXPERT.match(n)) and not experts.holds(int(m[1]))}
+        unused = set(files) - used - others - ({LM_HEAD} if arch.tied_embeddings else set())
         if unused:
             raise UnsupportedHFModel(f"{hf_dir}: tensors the Megatron mapping does not use: {sorted(unused)[:5]}")
 
 
+@dataclass(frozen=True)
+class _ExpertRanks:
+    """This rank's place among the experts: the block of experts its expert-parallel rank holds, and its
+    (rank, size) in the expert tensor-parallel group that splits each expert's matrices."""
+
+    first: int
+    count: int
+    tensor: tuple[int, int]
+
+    @classmethod
+    def current(cls, arch: HFArchitecture) -> _ExpertRanks:
+        from megatron.core import parallel_state as ps
+
+        if arch.moe is None:
+            return cls(0, 0, (0, 1))
+        size = ps.get_expert_model_parallel_world_size()
+        count = arch.moe.num_experts // size
+        return cls(ps.get_expert_model_parallel_rank() * count, count,
+                   (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()))
+
+    def holds(self, expert: int) -> bool:
+        return self.first <= expert < self.first + self.count
+
+
 # -- Megatron → HF ---------------------------------------------------------------------------------------------
+def _gather(tensor: Tensor, group, size: int) -> list[Tensor]:
+    """`tensor` of every rank of `group`, in rank order (collective)."""
+    gathered = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(gathered, tensor.contiguous(), group=group)
+    return gathered
+
+
 def _stage_hf_tensors(modules: list[torch.nn.Module], arch: HFArchitecture,
                       with_lm_head: bool) -> Iterator[tuple[str, Tensor]]:
-    """This pipeline stage's HF tensors, gathered over tensor-parallel ranks (collective within the TP group)."""
-    from megatron.core import parallel_state
+    """This pipeline stage's HF tensors, gathered over tensor-parallel ranks and, for the routed experts, over
+    expert tensor- and expert-parallel ranks (collective within those groups)."""
+    from megatron.core import parallel_state as ps
 
-    group = parallel_state.get_tensor_model_parallel_group()
-    size = parallel_state.get_tensor_model_parallel_world_size()
+    dense = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    experts = _ExpertRanks.current(arch)
+    expert_tensor = expert_parallel = (None, 1)
+    if arch.moe is not None:
+        expert_tensor = ps.get_expert_tensor_parallel_group(), experts.tensor[1]
+        expert_parallel = ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size()
     for module in modules:
         for name, param in module.named_parameters():
             if name == "output_layer.weight" and arch.tied_embeddings:
                 continue  # the first stage exports the shared matrix
+            expert = is_expert(name)
             kind, names = _hf_source(name, module, arch)
             split_dim = _tp_split(param)
+            group, size = expert_tensor if expert else dense
             shards = [param.detach()]
             if size > 1 and split_dim is not None:
-                shards = [torch.empty_like(param) for _ in range(size)]
-                torch.distributed.all_gather(shards, param.detach().contiguous(), group=group)
-            for hf_name, tensor in zip(names, hf_tensors(kind, shards, arch, split_dim)):
-                yield hf_name, tensor
-                if hf_name == EMBED and arch.tied_embeddings and with_lm_head:
-                    yield LM_HEAD, tensor
+                shards = _gather(param.detach(), group, size)
+            tensors = hf_tensors(kind, shards, arch, split_dim)
+            if not expert:
+                for hf_name, tensor in zip(names, tensors):
+                    yield hf_name, tensor
+                    if hf_name == EMBED and arch.tied_embeddings and with_lm_head:
+                        yield LM_HEAD, tensor
+                continue
+            # Expert-parallel rank r holds experts r·count …: its local expert j is expert r·count + j.
+            by_rank = [_gather(t, *expert_parallel) if expert_parallel[1] > 1 else [t] for t in tensors]
+            for r in range(expert_parallel[1]):
+                names = _hf_source(name, module, arch, first_expert=r * experts.count)[1]
+                for hf_name, gathered in zip(names, by_rank):
+                    yield hf_name, gathered[r]
 
 
 def export_hf_weights(modules: list[torch.nn.Module], arch: HFArchitecture,

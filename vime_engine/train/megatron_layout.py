@@ -6,12 +6,61 @@ it, and the mapping must stay importable where Megatron is not installed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 class MegatronSetupError(ValueError):
     """A Megatron parallel layout or setting this engine cannot run; the message names the flag."""
+
+
+# Megatron's token dispatchers that run on its local (non-Transformer-Engine) MoE layers, over any process group
+# backend; "flex" needs DeepEP or HybridEP kernels (CUDA).
+TOKEN_DISPATCHERS = ("alltoall", "allgather")
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """How Megatron runs a mixture-of-experts model's layers (the model itself comes from config.json).
+
+    grouped_gemm and permute_fusion are kernel choices of Transformer Engine: the same experts and the same
+    checkpoint layout, computed in one grouped GEMM / fused permutation where TE provides them
+    (`megatron_hf.transformer_config` turns them off where it does not, and says so once).
+    """
+
+    token_dispatcher: str = "alltoall"  # vime's scripts' choice (Megatron's own default is allgather)
+    router_dtype: str | None = None  # fp32 / fp64: the router's logits and softmax in that precision
+    aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff: Megatron's Switch loss of every MoE layer
+    token_drop_policy: str = "probs"
+    grouped_gemm: bool = False
+    permute_fusion: bool = False
+
+    @classmethod
+    def from_flags(cls, flags: dict[str, Any], aux_loss_coeff: float = 0.0) -> MoESettings:
+        settings = cls(
+            token_dispatcher=flags.get("moe-token-dispatcher-type") or "alltoall",
+            router_dtype=flags.get("moe-router-dtype"),
+            aux_loss_coeff=aux_loss_coeff,
+            token_drop_policy=flags.get("moe-token-drop-policy") or "probs",
+            grouped_gemm=bool(flags.get("moe-grouped-gemm", False)),
+            permute_fusion=bool(flags.get("moe-permute-fusion", False)),
+        )
+        expert = int(flags.get("expert-model-parallel-size") or 1)
+        if settings.token_dispatcher == "allgather" and expert > 1:
+            raise MegatronSetupError(
+                f"--moe-token-dispatcher-type allgather with --expert-model-parallel-size {expert}: that dispatcher "
+                "gathers equal blocks of tokens from every expert-parallel rank, and each rank's micro-batches are "
+                "padded to their own longest sample here; use alltoall")
+        if settings.token_dispatcher not in TOKEN_DISPATCHERS:
+            raise MegatronSetupError(
+                f"--moe-token-dispatcher-type {settings.token_dispatcher}: the engine's MoE layers dispatch with "
+                f"{' or '.join(TOKEN_DISPATCHERS)} (flex needs DeepEP / HybridEP kernels, not built here)")
+        if settings.router_dtype not in (None, "fp32", "fp64"):
+            raise MegatronSetupError(f"--moe-router-dtype {settings.router_dtype}: expected fp32 or fp64")
+        if settings.token_drop_policy not in ("probs", "position"):
+            raise MegatronSetupError(
+                f"--moe-token-drop-policy {settings.token_drop_policy}: expected probs or position")
+        return settings
 
 
 @dataclass(frozen=True)
@@ -34,9 +83,10 @@ class ParallelLayout:
     # Gradients reduced across data-parallel ranks in fp32 (exact reductions) unless turned off.
     grad_reduce_in_fp32: bool = True
     gradient_accumulation_fusion: bool = True  # where Transformer Engine's fused kernels exist
+    moe: MoESettings = field(default_factory=MoESettings)
 
     @classmethod
-    def from_flags(cls, flags: dict[str, Any]) -> ParallelLayout:
+    def from_flags(cls, flags: dict[str, Any], moe_aux_loss_coeff: float = 0.0) -> ParallelLayout:
         backend = flags.get("attention-backend")
         if flags.get("use-flash-attn"):
             if backend not in (None, "flash"):
@@ -60,6 +110,7 @@ class ParallelLayout:
             attention_backend=backend,
             grad_reduce_in_fp32=flags.get("accumulate-allreduce-grads-in-fp32", True),
             gradient_accumulation_fusion=not flags.get("no-gradient-accumulation-fusion", False),
+            moe=MoESettings.from_flags(flags, moe_aux_loss_coeff),
         )
         if layout.attention_backend is not None:
             from megatron.core.transformer.enums import AttnBackend

@@ -55,6 +55,8 @@ def init_distributed(accelerator: Accelerator, layout: ParallelLayout, seed: int
         same = (
             parallel_state.get_tensor_model_parallel_world_size() == layout.tensor
             and parallel_state.get_pipeline_model_parallel_world_size() == layout.pipeline
+            and parallel_state.get_expert_model_parallel_world_size() == layout.expert
+            and parallel_state.get_expert_tensor_parallel_world_size() == (layout.expert_tensor or layout.tensor)
         )
         if same:
             return
@@ -88,7 +90,7 @@ def build_model(
 
     config = mh.transformer_config(arch, layout, dtype, use_cpu_initialization=accelerator.kind == "cpu")
     model: torch.nn.Module = GPTModel(
-        config, mh.layer_spec(arch), vocab_size=arch.padded_vocab_size(layout.tensor),
+        config, mh.layer_spec(arch, config), vocab_size=arch.padded_vocab_size(layout.tensor),
         max_sequence_length=arch.max_positions, pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=arch.tied_embeddings,
         position_embedding_type="rope", rotary_base=arch.rope_theta,

@@ -7,11 +7,17 @@ for an architecture the engine does not build (learned absolute positions, Layer
 
 What each flag means is Megatron's: without --group-query-attention Megatron builds one key/value head per
 attention head, so --num-query-groups counts only with it; --disable-bias-linear drops the bias of every
-linear layer except the q/k/v projections' where --add-qkv-bias keeps them.
+linear layer except the q/k/v projections' where --add-qkv-bias keeps them; --moe-layer-freq N makes layers 0, N,
+2N, … MoE layers (HF's decoder_sparse_step N makes layers N-1, 2N-1, … MoE layers), or gives the pattern itself
+("[0]*1+[1]*46", "[1, 1, 0]").
+
+The expert-parallel layout is checked against the model here too (`check_expert_layout`): its experts must split
+over --expert-model-parallel-size, and Megatron's rules for MoE layers hold.
 """
 
 from __future__ import annotations
 
+import ast
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +53,14 @@ class HFView:
         """Routed experts of each MoE layer (config.json's num_experts; transformers 5 writes num_local_experts);
         None for a dense model."""
         return self.get("num_experts") or self.get("num_local_experts")
+
+    @property
+    def moe_layer_pattern(self) -> tuple[int, ...] | None:
+        """Per layer: 1 a MoE layer, 0 a dense one (None for a dense model)."""
+        if not self.num_experts:
+            return None
+        return moe_layer_pattern(self.config["num_hidden_layers"], self.get("decoder_sparse_step") or 1,
+                                 self.get("mlp_only_layers") or [])
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -86,6 +100,42 @@ def _same(flag_value: Any, model_value: Any) -> bool:
     return flag_value == model_value
 
 
+def moe_layer_pattern(num_layers: int, sparse_step: int, dense_layers: list[int]) -> tuple[int, ...]:
+    """HF's Qwen-MoE rule for which layers have experts: layer i unless listed in mlp_only_layers, and only where
+    (i + 1) is a multiple of decoder_sparse_step. 1 marks a MoE layer, 0 a dense MLP."""
+    return tuple(0 if i in dense_layers or (i + 1) % sparse_step else 1 for i in range(num_layers))
+
+
+def megatron_layer_pattern(value: Any, num_layers: int) -> tuple[int, ...]:
+    """--moe-layer-freq as Megatron reads it: an integer N (layers 0, N, 2N, … have experts) or a Python list
+    expression of 0s and 1s, one per layer, built from list literals, `*` and `+` (vime's scripts write
+    "[1,1,…]" and "[0]*1+[1]*46"). Evaluated without eval(); anything else is refused."""
+    if isinstance(value, int) or str(value).strip().isdigit():
+        every = int(value)
+        if every < 1:
+            raise ModelFlagMismatch(f"--moe-layer-freq {value}: expected a positive integer or a list of 0/1")
+        return tuple(1 if i % every == 0 else 0 for i in range(num_layers))
+
+    def evaluate(node: ast.AST) -> Any:
+        if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) and e.value in (0, 1) for e in node.elts):
+            return [e.value for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = evaluate(node.left), evaluate(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError
+
+    try:
+        pattern = evaluate(ast.parse(str(value), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        pattern = None
+    if not isinstance(pattern, list):
+        raise ModelFlagMismatch(f"--moe-layer-freq {value}: expected an integer or a list of 0/1 per layer such as "
+                                "[1,1] or [0]*1+[1]*46")
+    return tuple(pattern)
+
+
 RULES: dict[str, Rule] = {
     "num-layers": Rule("num_hidden_layers", lambda m: m.get("num_hidden_layers")),
     "hidden-size": Rule("hidden_size", lambda m: m.get("hidden_size")),
@@ -109,6 +159,20 @@ RULES: dict[str, Rule] = {
     "num-experts": Rule("num_experts", lambda m: m.num_experts),
     "moe-router-topk": Rule("num_experts_per_tok", lambda m: m.get("num_experts_per_tok")),
     "moe-ffn-hidden-size": Rule("moe_intermediate_size", lambda m: m.get("moe_intermediate_size")),
+    "moe-router-pre-softmax": Rule("norm_topk_prob (pre-softmax: the top-k probabilities are not renormalised)",
+                                   lambda m: not m.get("norm_topk_prob", False)),
+    "moe-router-topk-scaling-factor": Rule("routed_scaling_factor (Qwen3-MoE: none, 1.0)",
+                                           lambda m: float(m.get("routed_scaling_factor") or 1.0)),
+    "moe-shared-expert-intermediate-size": Rule("shared_expert_intermediate_size (Qwen3-MoE: no shared expert)",
+                                                lambda m: m.get("shared_expert_intermediate_size") or 0),
+    "rotary-percent": Rule("partial_rotary_factor", lambda m: float(m.get("partial_rotary_factor") or 1.0)),
+}
+# Flags that ask for a router the engine's mixture-of-experts families (Qwen3-MoE) do not have, refused when given.
+REFUSED: dict[str, str] = {
+    "moe-router-enable-expert-bias": "an expert bias added to the router's scores (DeepSeek-V3's and GLM-4.5's "
+                                     "aux-loss-free balancing); Qwen3-MoE's router has none",
+    "moe-router-bias-update-rate": "it moves the expert bias of --moe-router-enable-expert-bias (DeepSeek-V3's and "
+                                   "GLM-4.5's aux-loss-free balancing); Qwen3-MoE's router has none",
 }
 # Flags that choose among architectures: the value the engine builds, and why another is refused.
 CHOICES: dict[str, tuple[str, str]] = {
@@ -117,16 +181,20 @@ CHOICES: dict[str, tuple[str, str]] = {
                                         "positions are not built)"),
     "moe-router-score-function": ("softmax", "the engine's mixture-of-experts models (Qwen3-MoE) score experts by "
                                              "a softmax over the router's logits"),
-    "moe-router-load-balancing-type": ("aux_loss", "the torch backends add the Switch Transformer loss (aux_loss) "
-                                                   "of each micro-batch; --moe-aux-loss-coeff 0 turns it off"),
+    "moe-router-load-balancing-type": ("aux_loss", "every backend adds the Switch Transformer loss (aux_loss) of "
+                                                   "each micro-batch; --moe-aux-loss-coeff 0 turns it off"),
 }
-MODEL_FLAGS = (*RULES, *CHOICES, "group-query-attention", "num-query-groups")
+MODEL_FLAGS = (*RULES, *CHOICES, *REFUSED, "group-query-attention", "num-query-groups", "moe-layer-freq")
 
 
 def check_model_flags(flags: dict[str, Any], config: dict[str, Any], where: str) -> None:
     """Raise ModelFlagMismatch for the first flag in `flags` (Megatron flags by name) that does not describe the
     model whose config.json is `config` (read from `where`). Flags not given are not checked."""
     model = HFView(config)
+    for flag, why in REFUSED.items():
+        if flags.get(flag) is not None and flags[flag] is not False:
+            shown = "" if flags[flag] is True else f" {flags[flag]}"
+            raise ModelFlagMismatch(f"--{flag}{shown}: {why}; drop the flag")
     for flag, (built, why) in CHOICES.items():
         if flag in flags and str(flags[flag]).lower() != built.lower():
             raise ModelFlagMismatch(f"--{flag} {flags[flag]}: {why}; give --{flag} {built} or drop it")
@@ -144,6 +212,50 @@ def check_model_flags(flags: dict[str, Any], config: dict[str, Any], where: str)
             raise ModelFlagMismatch(
                 f"{shown} gives {groups} key/value head(s); config.json num_key_value_heads = {model.kv_heads} "
                 f"({where}); the model flags describe the model and never change it: fix them or drop them")
+    if "moe-layer-freq" in flags:
+        _check_moe_layer_freq(flags["moe-layer-freq"], model, where)
+
+
+def _check_moe_layer_freq(value: Any, model: HFView, where: str) -> None:
+    layers = model.config.get("num_hidden_layers", 0)
+    given, found = megatron_layer_pattern(value, layers), model.moe_layer_pattern
+    if found is None:
+        raise ModelFlagMismatch(f"--moe-layer-freq {value}: the model has no experts (no num_experts in {where}); "
+                                "drop the flag")
+    if given != found:
+        raise ModelFlagMismatch(
+            f"--moe-layer-freq {value} gives the MoE layers {_layers(given)}; config.json decoder_sparse_step = "
+            f"{model.get('decoder_sparse_step') or 1}, mlp_only_layers = {model.get('mlp_only_layers') or []} give "
+            f"{_layers(found)} ({where}); the model flags describe the model and never change it: fix or drop it")
+
+
+def _layers(pattern: tuple[int, ...]) -> str:
+    chosen = [i for i, moe in enumerate(pattern) if moe]
+    return f"{chosen} of {len(pattern)}" if len(chosen) < len(pattern) else f"all {len(pattern)}"
+
+
+def check_expert_layout(flags: dict[str, Any], config: dict[str, Any], where: str) -> None:
+    """Megatron's expert-parallel layout (`flags`: its flags by name) for the model of `config`: experts to split,
+    as many on every expert-parallel rank, and sequence parallelism under tensor parallelism (Megatron's rule
+    for MoE layers)."""
+    model = HFView(config)
+    expert, tensor = flags.get("expert-model-parallel-size") or 1, flags.get("tensor-model-parallel-size") or 1
+    expert_tensor = flags.get("expert-tensor-parallel-size")
+    if not model.num_experts:
+        if expert > 1 or expert_tensor not in (None, tensor):
+            shown = f"--expert-model-parallel-size {expert}" if expert > 1 else \
+                f"--expert-tensor-parallel-size {expert_tensor}"
+            raise ModelFlagMismatch(f"{shown}: the model has no experts to split (no num_experts in {where}); "
+                                    "drop the flag or give a mixture-of-experts model")
+        return
+    if model.num_experts % expert:
+        raise ModelFlagMismatch(
+            f"--expert-model-parallel-size {expert}: the model's {model.num_experts} experts (config.json "
+            f"num_experts, {where}) do not split evenly over {expert} ranks; use a divisor of {model.num_experts}")
+    if tensor > 1 and not flags.get("sequence-parallel"):
+        raise ModelFlagMismatch(
+            f"--tensor-model-parallel-size {tensor} with a mixture-of-experts model needs --sequence-parallel "
+            "(Megatron's MoE layers train under tensor parallelism only with it)")
 
 
 def _refuse(flag: str, given: Any, field: str, found: Any, where: str) -> None:
