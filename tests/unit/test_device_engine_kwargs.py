@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
 from vime_engine.config import ConfigError, build_config
-from vime_engine.rollout.vllm_engine import DeviceTuning, device_engine_kwargs
+from vime_engine.rollout.vllm_engine import DeviceTuning, device_engine_kwargs, vllm_engine_args
 from vime_engine.rollout.worker import engine_settings
 
 AUTO = DeviceTuning()
@@ -70,3 +71,13 @@ def test_the_flags_reach_the_engine_settings():
 def test_bad_values_name_the_flag(flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         build_config(flags, **{"hf-checkpoint": "model", "prompt-data": "data.jsonl"})
+
+
+def test_rollout_routing_replay_asks_vllm_for_the_routed_experts():
+    base = {"hf-checkpoint": "model", "prompt-data": "data.jsonl"}
+    assert not engine_settings(build_config([], **base), None).return_routed_experts
+    settings = replace(engine_settings(build_config(["--use-rollout-routing-replay"], **base), None), max_model_len=64)
+    assert settings.return_routed_experts
+    assert vllm_engine_args(settings, "cuda", False)["enable_return_routed_experts"]
+    assert "enable_return_routed_experts" not in vllm_engine_args(replace(settings, return_routed_experts=False),
+                                                                  "cuda", False)
