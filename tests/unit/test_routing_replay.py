@@ -184,7 +184,8 @@ def test_routing_replay_keeps_the_old_policys_routing_through_the_rollouts_optim
     assert metrics["train/routing_replay_match"] == pytest.approx(share.float().mean().item(), abs=1e-6)
 
 
-def test_rollout_routing_replay_sends_every_trained_token_to_the_engines_experts(moe_dir):
+@pytest.mark.parametrize("steps", [1, 2])
+def test_rollout_routing_replay_sends_every_token_of_every_policy_forward_to_the_engines_experts(moe_dir, steps):
     samples = _samples(3)
     reference = TorchTrainBackend(_config(moe_dir))  # what the engine computed while generating
     recording = RoutingPass()
@@ -192,16 +193,17 @@ def test_rollout_routing_replay_sends_every_trained_token_to_the_engines_experts
     for sample, record in zip(samples, recording.records()):
         sample.rollout_routed_experts = record.numpy().astype(np.uint8)  # vLLM's dtype for <= 256 experts
 
-    trainer = TorchTrainBackend(_config(moe_dir, **{"use-rollout-routing-replay": True}))
+    flags = {"use-rollout-routing-replay": True, "global-batch-size": 8 // steps, "micro-batch-size": 2}
+    trainer = TorchTrainBackend(_config(moe_dir, **flags))
     _move_routers(trainer)  # the trainer's weights moved on past the engine's
     with _experts_by_call(trainer.model) as calls:
         metrics = trainer.train_rollout(samples)
-    trained = _routes_of(calls, samples, grad=True)
-    assert len(trained) == len(samples) and not _routes_of(calls, samples, grad=False)  # one step: no old pass
-    for sample, experts in trained:
+    trained, old = _routes_of(calls, samples, grad=True), _routes_of(calls, samples, grad=False)
+    assert len(trained) == len(samples) and len(old) == (0 if steps == 1 else len(samples))  # the old pass: 2 steps
+    for sample, experts in trained + old:
+        engine = torch.as_tensor(sample.rollout_routed_experts).long()
         for layer in (0, 1):
-            assert torch.equal(experts[layer].sort(-1).values,
-                               torch.as_tensor(sample.rollout_routed_experts[:, layer]).long().sort(-1).values)
+            assert torch.equal(experts[layer].sort(-1).values, engine[:, layer].sort(-1).values)
     assert 0 < metrics["train/routing_replay_match"] < 1
 
 

@@ -101,8 +101,8 @@ def moe_routers(model: nn.Module) -> dict[nn.Module, int]:
 
 class RoutingPass:
     """The routing of one forward over forward rows: the records to replay (one per sample of the rows, in row
-    order; None: route freely), and once the forward ran, what the routers chose (`records`) and how often that
-    equals the replayed experts (`matched` of `replayed` token × MoE-layer decisions).
+    order; None: route freely), and once the forward ran, the experts each token went to (`records`) and how often
+    the routers' fresh choice was the replayed one (`matched` of `replayed` token × MoE-layer decisions).
 
     A shared-prompt row (vime_engine.train.forward_rows) runs its prompt once: its prompt positions replay the
     row's last sample's record there (the samples of a prompt share its routing up to the engine's arithmetic)."""
