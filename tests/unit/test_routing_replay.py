@@ -184,15 +184,23 @@ def test_routing_replay_keeps_the_old_policys_routing_through_the_rollouts_optim
     assert metrics["train/routing_replay_match"] == pytest.approx(share.float().mean().item(), abs=1e-6)
 
 
-@pytest.mark.parametrize("steps", [1, 2])
-def test_rollout_routing_replay_sends_every_token_of_every_policy_forward_to_the_engines_experts(moe_dir, steps):
+@pytest.fixture(scope="module")
+def engine_samples(moe_dir) -> list[Sample]:
+    """Samples whose rollout_routed_experts a reference forward of the initial weights recorded: what the engine
+    computed while generating them, in vLLM's dtype for up to 256 experts."""
     samples = _samples(3)
-    reference = TorchTrainBackend(_config(moe_dir))  # what the engine computed while generating
+    reference = TorchTrainBackend(_config(moe_dir))
     recording = RoutingPass()
     reference._forward(reference.model, [[s] for s in samples], with_entropy=False, routing=recording)
     for sample, record in zip(samples, recording.records()):
-        sample.rollout_routed_experts = record.numpy().astype(np.uint8)  # vLLM's dtype for <= 256 experts
+        sample.rollout_routed_experts = record.numpy().astype(np.uint8)
+    return samples
 
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_rollout_routing_replay_sends_every_token_of_every_policy_forward_to_the_engines_experts(
+        moe_dir, engine_samples, steps):
+    samples = engine_samples
     flags = {"use-rollout-routing-replay": True, "global-batch-size": 8 // steps, "micro-batch-size": 2}
     trainer = TorchTrainBackend(_config(moe_dir, **flags))
     _move_routers(trainer)  # the trainer's weights moved on past the engine's
