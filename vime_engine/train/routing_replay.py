@@ -20,18 +20,19 @@ Where it lives:
   computes the old log-probs, run for that even when the rollout is one optimizer step, as slime does), keeps it
   beside the samples for the rollout's optimizer steps, whose forwards replay it, and drops it. The reference
   model's forward routes freely in both modes.
-For Megatron's router replay (megatron-core's `moe_enable_routing_replay`, `RouterReplay`, one instance per MoE
-layer in layer order): per micro-batch and MoE layer l, the replay target is [tokens of the micro-batch in its
-packed layout, top_k]: each sample's record[:, l] in packing order, one row of any valid experts for its last
-token, then cut like Megatron's token layout (sequence / context parallel); `RouterReplay.set_replay_data(list by
-layer)` with the action REPLAY_FORWARD (REPLAY_BACKWARD for recomputation). R2's RECORD action gives the same
-[tokens, top_k] per layer, which the inverse of that layout turns into per-sample records.
+For Megatron's router replay (megatron-core's `moe_enable_routing_replay`: one `RouterReplay` per MoE layer of the
+rank's pipeline stage, in layer order): per micro-batch, the instance of decoder layer l (dense layers have none,
+as slime's fill_routing_replay skips them) replays [tokens of the micro-batch in its packed layout, top_k]: each
+sample's record[:, l] in packing order with one row of any valid experts for its last token, cut like Megatron's
+token layout (sequence / context parallel); `RouterReplay.set_replay_data(one per instance)` with the action
+REPLAY_FORWARD (REPLAY_BACKWARD for recomputation). R2's RECORD action gives the same [tokens, top_k] per instance,
+which the inverse of that layout turns into per-sample records.
 
 Mechanics on HF's Qwen3-MoE router (softmax over every expert's logit, top_k, renormalised when the model's
 `norm_topk_prob`): the router runs as usual and a forward hook replaces its top_k with the recorded experts and
-its weights with the softmax at those experts, renormalised as the router does (`replayed_gate_weights`). That
-is Megatron's replay (`probs = scores.gather(1, recorded)`, then the router's softmax over the gathered logits:
-the same numbers): the weights come from the current logits, so the gradient reaches the router's weights
+its weights with the softmax at those experts, renormalised as the router does (`replayed_gate_weights`). For a
+renormalising router that is Megatron's replay (`probs = scores.gather(1, recorded)`, then the router's softmax
+over the gathered logits: the same numbers): the weights come from the current logits, so the gradient reaches the router's weights
 through the recorded experts' logits. Replaying the router's own choice leaves the forward bit for bit as it was.
 The load-balancing loss (`--moe-aux-loss-coeff`) keeps counting the router's fresh top-k of the current logits,
 as Megatron's aux loss does under replay (`compute_routing_scores_for_aux_loss`).
