@@ -28,6 +28,7 @@ from vime_engine.data.datasets import DatasetError, NumberedRecord, read_prompt_
 from vime_engine.data.prompt_length import FLAG as MAX_PROMPT_FLAG
 from vime_engine.data.prompt_length import load_tokenizer, prompt_lengths, short_enough
 from vime_engine.rewards.labels import label_problem
+from vime_engine.rollout.routed_experts import routed_experts_unavailable
 from vime_engine.train.megatron_model_flags import HFView, ModelFlagMismatch, check_expert_layout, check_model_flags
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def check_inputs(cfg: EngineConfig) -> None:
     config_file = Path(cfg.model.hf_checkpoint) / "config.json"
     _check_model_flags(cfg.megatron, model_config, config_file)
     _check_moe_aux_loss(cfg.algorithm.moe_aux_loss_coeff, model_config, config_file)
+    _check_routing_replay(cfg, model_config, config_file)
     _check_context_limits(cfg, model_config, config_file)
     _check_engine_tensor_parallel(cfg.rollout.rollout_num_gpus_per_engine, model_config, config_file)
     ref_load = cfg.checkpoint.ref_load
@@ -246,6 +248,34 @@ def _check_moe_aux_loss(coefficient: float, model_config: dict[str, Any], config
     if coefficient > 0 and not HFView(model_config).num_experts:
         raise PreflightError(f"--moe-aux-loss-coeff {coefficient}: the model has no experts to balance (no "
                              f"num_experts in {config_file}); drop the flag or give a mixture-of-experts model")
+
+
+def _check_routing_replay(cfg: EngineConfig, model_config: dict[str, Any], config_file: Path) -> None:
+    """Routing replay needs a mixture-of-experts model whose router the trainer can replay."""
+    from vime_engine.train.routing_replay import REPLAYABLE_MODEL_TYPES  # imports torch: only for a run that replays
+
+    a = cfg.algorithm
+    flag = ("--use-rollout-routing-replay" if a.use_rollout_routing_replay
+            else "--use-routing-replay" if a.use_routing_replay else None)
+    if flag is None:
+        return
+    if not HFView(model_config).num_experts:
+        raise PreflightError(f"{flag}: the model has no experts to route (no num_experts in {config_file}); drop "
+                             "the flag or give a mixture-of-experts model")
+    if cfg.train.train_backend == "megatron":
+        raise PreflightError(f"{flag}: Megatron's router replay (moe_enable_routing_replay) is not wired to the "
+                             "routing record yet; use --train-backend torch or fsdp")
+    model_type = model_config.get("model_type")
+    if model_type not in REPLAYABLE_MODEL_TYPES:
+        raise PreflightError(f"{flag}: the torch backends replay the router of {', '.join(REPLAYABLE_MODEL_TYPES)} "
+                             f"models; {config_file} has model_type {model_type!r}")
+
+
+def check_on_device(cfg: EngineConfig, device_kind: str) -> None:
+    """What the run's device cannot do, refused once the device is known and before Ray starts."""
+    if cfg.algorithm.use_rollout_routing_replay and (why := routed_experts_unavailable(device_kind)):
+        raise PreflightError(f"--use-rollout-routing-replay: {why}; --use-routing-replay replays the trainer's own "
+                             "old-policy routing instead")
 
 
 def check_model_dir(path: str, flag: str) -> dict[str, Any]:

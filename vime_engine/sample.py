@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class SampleStatus(str, enum.Enum):
@@ -31,6 +34,10 @@ class Sample:
     Multi-turn (`--custom-generate-function-path`): the response interleaves the model's turns (loss_mask 1, with
     their log-probs) and tool / environment replies (loss_mask 0, log-prob `ENVIRONMENT_LOG_PROB`, never compared
     nor trained); `version_segments` then counts the model's tokens only.
+
+    `rollout_routed_experts` (a mixture-of-experts model under `--use-rollout-routing-replay`; vime's name): the
+    experts the engine routed each token to, an integer array [len(tokens) - 1, num_hidden_layers, top_k], the
+    routing record of vime_engine/train/routing_replay.py; None when the engine was not asked for it.
     """
 
     group_index: int
@@ -46,6 +53,8 @@ class Sample:
     version_segments: list[tuple[int, int]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     remove_sample: bool = False  # vime's --rollout-sample-filter-path sets it: the sample then trains no token
+    # Left out of ==: an array's == is elementwise, which a dataclass's == cannot fold into one bool.
+    rollout_routed_experts: np.ndarray | None = field(default=None, compare=False)
 
     Status = SampleStatus  # vime's plugins compare `sample.status == Sample.Status.COMPLETED`
 

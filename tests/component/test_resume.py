@@ -1,12 +1,12 @@
 """Resume equivalence: a run killed with SIGKILL anywhere and resumed ends bit-identical to one never killed.
 
 Every run is a real `vimeflow train` process (Ray cluster, vLLM engine, torch trainer). Kills are injected
-by tests/support/faults/sitecustomize.py inside a chosen function call of whichever process runs it.
+by tests/support/faults/sitecustomize.py inside a chosen function call of whichever process runs it
+(tests/support/killed_runs.py runs them).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -19,14 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
+from tests.support.killed_runs import run_train, write_config
 from vime_engine.checkpoint.store import DRIVER_STATE, find_latest
 from vime_engine.checkpoint.run_history import HISTORY_FILE
 from vime_engine.runtime.run_state import BUFFER_FILE
 
 REPO = Path(__file__).resolve().parents[2]
-FAULTS = REPO / "tests" / "support" / "faults"
 NUM_ROLLOUT = 4
 
 
@@ -45,55 +44,6 @@ def base_config(tmp_path_factory, tiny_model, arithmetic_data) -> dict:
     }
 
 
-def _write_config(run_dir: Path, base: dict, **overrides) -> Path:
-    values = {**base, "save": str(run_dir / "ckpt"), "output-dir": str(run_dir / "out"), **overrides}
-    path = run_dir / "config.yaml"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
-def _run(config: Path, fault: str | None = None, command: list[str] | None = None, timeout: int = 240) -> int:
-    """Run `vimeflow train` (or `command`); with `fault`, wait for the injected kill and reap the whole group."""
-    env = {**os.environ, "PYTHONPATH": f"{FAULTS}{os.pathsep}{REPO}"}
-    marker = config.parent / "fault.marker"
-    marker.unlink(missing_ok=True)
-    if fault:
-        env.update(VIMEFLOW_TEST_FAULT=fault, VIMEFLOW_TEST_FAULT_MARKER=str(marker))
-    cmd = command or [sys.executable, "-m", "flows.cli", "train", "--config", str(config)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
-                            stdout=open(config.parent / "log.txt", "a"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline and not (fault and marker.exists()):
-        time.sleep(0.05)
-    if fault and marker.exists():
-        # The process that hit the fault is dead (it may be the driver itself); take the rest of the run.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        _kill_stragglers(marker)
-        return -signal.SIGKILL
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"run did not finish in {timeout}s; see {config.parent / 'log.txt'}")
-    if fault:
-        pytest.fail(f"fault {fault} never triggered; see {config.parent / 'log.txt'}")
-    return proc.returncode
-
-
-def _kill_stragglers(marker: Path) -> None:
-    """The killed run's processes outside its process group, which a dead machine or container would take along:
-    Ray's actors (each in a group of its own; they exit on their raylet's death, but not at once) and what they
-    started, such as the multiprocessing manager Megatron's checkpoint writer starts in each rank, which never
-    exits once its rank and that rank's raylet are gone."""
-    import psutil
-
-    for process in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if process.environ().get("VIMEFLOW_TEST_FAULT_MARKER") == str(marker):
-                process.kill()
-
-
 def _final(run_dir: Path) -> tuple[str, list[dict]]:
     """sha256 of the final weights and the per-rollout metrics without timings."""
     ref = find_latest(run_dir / "ckpt")
@@ -109,7 +59,7 @@ def _final(run_dir: Path) -> tuple[str, list[dict]]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, base_config) -> tuple[Path, str, list[dict]]:
     run_dir = tmp_path_factory.mktemp("reference")
-    assert _run(_write_config(run_dir, base_config)) == 0
+    assert run_train(write_config(run_dir, base_config)) == 0
     weights, history = _final(run_dir)
     assert [h["rollout_id"] for h in history] == list(range(NUM_ROLLOUT))
     return run_dir, weights, history
@@ -119,22 +69,22 @@ def test_kills_during_generation_optimizer_step_and_checkpoint_write_resume_bit_
     tmp_path, base_config, reference
 ):
     _, ref_weights, ref_history = reference
-    config = _write_config(tmp_path, base_config)
+    config = write_config(tmp_path, base_config)
     # Rollout 1's generation (the 2nd round submitted to vLLM by the first process).
-    _run(config, fault="vime_engine.rollout.vllm_engine:VLLMEngine.submit:2")
+    run_train(config, fault="vime_engine.rollout.vllm_engine:VLLMEngine.submit:2")
     assert find_latest(tmp_path / "ckpt").rollout_id == 0
     # Resumed at rollout 1 (2 optimizer steps); killed inside rollout 2's first optimizer step.
-    _run(config, fault="torch.optim.adamw:AdamW.step:3")
+    run_train(config, fault="torch.optim.adamw:AdamW.step:3")
     assert find_latest(tmp_path / "ckpt").rollout_id == 1
     # Resumed at rollout 2; killed while its checkpoint is written (files there, manifest not yet).
-    _run(config, fault="vime_engine.checkpoint.store:build_manifest:1")
+    run_train(config, fault="vime_engine.checkpoint.store:build_manifest:1")
     assert find_latest(tmp_path / "ckpt").rollout_id == 1
     assert list((tmp_path / "ckpt").glob(".rollout_0000002.partial-*")), "the interrupted save left no trace"
     # Rollout 2's history lines went to the file before its manifest; the resume cuts them off again.
     history_file = tmp_path / "ckpt" / HISTORY_FILE
     assert len(history_file.read_text().splitlines()) == NUM_ROLLOUT - 1
     # Resumed at rollout 2 again, to the end.
-    assert _run(config) == 0
+    assert run_train(config) == 0
 
     weights, history = _final(tmp_path)
     assert weights == ref_weights
@@ -144,15 +94,15 @@ def test_kills_during_generation_optimizer_step_and_checkpoint_write_resume_bit_
     assert "history" not in json.loads((find_latest(tmp_path / "ckpt").path / DRIVER_STATE).read_text())
 
 
-def test_two_chunks_equal_one_run(tmp_path, base_config, reference):
+def test_two_chunks_equal_onerun_train(tmp_path, base_config, reference):
     _, ref_weights, ref_history = reference
-    config = _write_config(tmp_path, base_config)
+    config = write_config(tmp_path, base_config)
     for start in (0, 2):
         code = (
             "import sys; from vime_engine.config import build_config; from vime_engine.chunk import run_chunk; "
             f"r = run_chunk(build_config(yaml_path=sys.argv[1]), {start}, 2); print(r)"
         )
-        assert _run(config, command=[sys.executable, "-c", code, str(config)]) == 0
+        assert run_train(config, command=[sys.executable, "-c", code, str(config)]) == 0
     weights, history = _final(tmp_path)
     assert weights == ref_weights
     assert history == ref_history
@@ -171,7 +121,7 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumes(tmp_
     assert found.rollout_id == 2
     assert "rollout_0000003" in caplog.text and "model.safetensors" in caplog.text
 
-    assert _run(_write_config(tmp_path, base_config)) == 0
+    assert run_train(write_config(tmp_path, base_config)) == 0
     assert "skipping checkpoint" in (tmp_path / "log.txt").read_text()
     weights, history = _final(tmp_path)
     assert weights == ref_weights
@@ -191,7 +141,7 @@ def test_truncated_checkpoint_is_not_a_checkpoint(tmp_path, reference, caplog):
 
 def test_sigterm_finishes_the_step_checkpoints_exits_75_and_resumes_bit_identical(tmp_path, base_config, reference):
     _, ref_weights, ref_history = reference
-    config = _write_config(tmp_path, base_config, **{"save-interval": None})  # only the preemption save
+    config = write_config(tmp_path, base_config, **{"save-interval": None})  # only the preemption save
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "--config", str(config)], cwd=REPO,
                             env=env, start_new_session=True, stdout=open(tmp_path / "log.txt", "a"),
@@ -210,7 +160,7 @@ def test_sigterm_finishes_the_step_checkpoints_exits_75_and_resumes_bit_identica
     assert stopped_at < NUM_ROLLOUT - 1
     assert "preempted after rollout" in (tmp_path / "log.txt").read_text()
 
-    assert _run(config) == 0
+    assert run_train(config) == 0
     weights, history = _final(tmp_path)
     assert weights == ref_weights
     assert history == ref_history
@@ -229,23 +179,23 @@ def test_two_sharded_data_parallel_ranks_resume_bit_identical_and_their_checkpoi
         tmp_path_factory, base_config):
     dp2 = {"actor-num-gpus-per-node": 2, "train-backend": "fsdp"}
     reference_dir = tmp_path_factory.mktemp("dp2-reference")
-    assert _run(_write_config(reference_dir, base_config, **dp2)) == 0
+    assert run_train(write_config(reference_dir, base_config, **dp2)) == 0
     ref_weights, ref_history = _final(reference_dir)
 
     run_dir = tmp_path_factory.mktemp("dp2-killed")
-    config = _write_config(run_dir, base_config, **dp2)
+    config = write_config(run_dir, base_config, **dp2)
     # A rank killed in its 3rd optimizer step: rollout 1's first (two steps a rollout); the other rank waits in
     # its next collective until the whole run is taken down.
-    _run(config, fault="torch.optim.adamw:AdamW.step:3")
+    run_train(config, fault="torch.optim.adamw:AdamW.step:3")
     assert find_latest(run_dir / "ckpt").rollout_id == 0
-    assert _run(config) == 0
+    assert run_train(config) == 0
     assert _final(run_dir) == (ref_weights, ref_history)
 
     # The two ranks' checkpoint of rollout 2, resumed by a trainer of one rank for the last rollout.
     one_dir = tmp_path_factory.mktemp("dp2-to-dp1")
     shutil.copytree(reference_dir / "ckpt", one_dir / "ckpt", ignore=shutil.ignore_patterns("rollout_0000003"))
     (one_dir / "ckpt" / "LATEST").write_text("rollout_0000002")
-    assert _run(_write_config(one_dir, base_config)) == 0
+    assert run_train(write_config(one_dir, base_config)) == 0
     from safetensors.torch import load_file
 
     ours = load_file(find_latest(one_dir / "ckpt").path / "model.safetensors")
@@ -265,14 +215,14 @@ MULTI_TURN = {**PARTIAL, "vllm-max-model-len": 176, "rollout-max-turns": 2,
 
 def test_multi_turn_conversations_cut_off_and_killed_resume_bit_identical(tmp_path_factory, base_config):
     reference_dir = tmp_path_factory.mktemp("multi-turn-reference")
-    assert _run(_write_config(reference_dir, base_config, **MULTI_TURN)) == 0
+    assert run_train(write_config(reference_dir, base_config, **MULTI_TURN)) == 0
     ref_weights, ref_history = _final(reference_dir)
     assert all(h["rollout/model_turns/mean"] > 1 for h in ref_history)
     assert sum(h["rollout/aborted_groups"] for h in ref_history) > 0
 
     run_dir = tmp_path_factory.mktemp("multi-turn-killed")
-    config = _write_config(run_dir, base_config, **MULTI_TURN)
-    _run(config, fault="vime_engine.rollout.custom_generate:CustomRound.__init__:2")
+    config = write_config(run_dir, base_config, **MULTI_TURN)
+    run_train(config, fault="vime_engine.rollout.custom_generate:CustomRound.__init__:2")
     latest = find_latest(run_dir / "ckpt")
     assert latest.rollout_id == 0
     carry = pickle.loads((latest.path / BUFFER_FILE).read_bytes())
@@ -280,7 +230,7 @@ def test_multi_turn_conversations_cut_off_and_killed_resume_bit_identical(tmp_pa
     cut = [s for group in carry.partial for s in group if not s.finished]
     assert any(0 in s.loss_mask and s.loss_mask[0] == 1 for s in cut), "no conversation was cut after a tool reply"
     assert all(len(s.rollout_log_probs) == len(s.loss_mask) == s.response_length for s in cut)
-    assert _run(config) == 0
+    assert run_train(config) == 0
 
     weights, history = _final(run_dir)
     assert weights == ref_weights
@@ -323,10 +273,10 @@ def test_megatron_killed_mid_step_resumes_bit_identical(tmp_path_factory, base_c
         return export, history
 
     def config(run_dir: Path) -> Path:
-        return _write_config(run_dir, base_config, **flags, **{"save-hf": str(run_dir / "hf")})
+        return write_config(run_dir, base_config, **flags, **{"save-hf": str(run_dir / "hf")})
 
     reference_dir = tmp_path_factory.mktemp(f"megatron-{layout}-reference")
-    assert _run(config(reference_dir)) == 0
+    assert run_train(config(reference_dir)) == 0
     ref_export, ref_history = finished(reference_dir)
     assert [h["rollout_id"] for h in ref_history] == [0, 1]
     assert all(h["train/train_rollout_logprob_abs_diff"] <= 1e-5 for h in ref_history), ref_history
@@ -340,7 +290,7 @@ def test_megatron_killed_mid_step_resumes_bit_identical(tmp_path_factory, base_c
 
     run_dir = tmp_path_factory.mktemp(f"megatron-{layout}-killed")
     # The 3rd optimizer step is rollout 1's first; the other rank waits in its collective.
-    _run(config(run_dir), fault=fault)
+    run_train(config(run_dir), fault=fault)
     assert find_latest(run_dir / "ckpt").rollout_id == 0
-    assert _run(config(run_dir)) == 0
+    assert run_train(config(run_dir)) == 0
     assert finished(run_dir) == (ref_export, ref_history)

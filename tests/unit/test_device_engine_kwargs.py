@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
 from vime_engine.config import ConfigError, build_config
-from vime_engine.rollout.vllm_engine import DeviceTuning, device_engine_kwargs
+from vime_engine.rollout.vllm_engine import DeviceTuning, device_engine_kwargs, vllm_engine_args
 from vime_engine.rollout.worker import engine_settings
 
 AUTO = DeviceTuning()
@@ -74,7 +75,6 @@ def test_bad_values_name_the_flag(flags, message):
 
 def test_vimes_vllm_flags_reach_vllms_arguments_on_an_accelerator_and_are_refused_where_they_cannot_act():
     # run-qwen3-32B.sh's graph sizes, the ai21 scripts' --vllm-max-num-seqs, the reproducibility script's backend
-    from vime_engine.rollout.vllm_engine import vllm_engine_args
 
     cfg = build_config(["--vllm-max-model-len", "512", "--vllm-max-num-seqs", "64", "--vllm-cudagraph-capture-sizes",
                         "1", "2", "4", "--vllm-attention-backend", "flashinfer"],
@@ -94,3 +94,11 @@ def test_vimes_vllm_flags_reach_vllms_arguments_on_an_accelerator_and_are_refuse
     with pytest.raises(ValueError, match="--vllm-attention-backend flashinfer: on CPU vLLM runs attention with "
                                          "CPU_ATTN"):
         vllm_engine_args(engine_settings(on_cpu, None), "cpu", sleep_mode_available=False)
+def test_rollout_routing_replay_asks_vllm_for_the_routed_experts():
+    base = {"hf-checkpoint": "model", "prompt-data": "data.jsonl"}
+    assert not engine_settings(build_config([], **base), None).return_routed_experts
+    settings = replace(engine_settings(build_config(["--use-rollout-routing-replay"], **base), None), max_model_len=64)
+    assert settings.return_routed_experts
+    assert vllm_engine_args(settings, "cuda", False)["enable_return_routed_experts"]
+    assert "enable_return_routed_experts" not in vllm_engine_args(replace(settings, return_routed_experts=False),
+                                                                  "cuda", False)

@@ -26,6 +26,8 @@ def test_layout_by_hand():
     assert layout.predictors.tolist() == [2, 3, 2, 0]
     assert layout.targets.tolist() == [3, 4, 5, 1]
     assert layout.first_predictor == 0
+    # Where each sample's tokens are computed in the rows flattened to [2 × 6]: the shared prompt once for both.
+    assert [index.tolist() for index in layout.sample_token_index()] == [[0, 1, 2, 3, 4], [0, 1, 2, 5], [6, 7]]
     mask = layout.attention_mask[:, 0].int().tolist()
     assert mask[0] == [
         [1, 0, 0, 0, 0, 0],

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pickle
+
+import numpy as np
 import pytest
 
+from vime_engine.rollout.dynamic_sampling import CarryOver
 from vime_engine.rollout.metrics import version_metrics
 from vime_engine.rollout.partial import continuation, extend
 from vime_engine.sample import Sample, SampleStatus
@@ -65,3 +69,19 @@ def test_nothing_to_continue_is_an_error():
         continuation(extend(_fresh(), [10, 11], [-0.1, -0.2], ABORTED, version=0), 2)
     with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
         extend(_fresh(), [10, 11], [-0.1], ABORTED, version=0)
+
+
+def test_the_engines_routing_comes_with_the_last_request_and_stays_with_the_sample_in_the_buffer():
+    # --use-rollout-routing-replay: a finished request returns the experts of every token it fed the model (its
+    # prompt, here the earlier segment, included), [tokens - 1, layers, top_k]; an aborted one returns none.
+    cut = extend(_fresh(), [10, 11], [-0.1, -0.2], ABORTED, version=0)
+    assert cut.rollout_routed_experts is None
+    routing = np.arange(6 * 2 * 2, dtype=np.uint8).reshape(6, 2, 2) % 8  # 3 prompt + 2 + 2 tokens, the last none
+    done = extend(cut, [12, 13], [-0.3, -0.4], COMPLETED, version=1, routed_experts=routing)
+    assert done.rollout_routed_experts is routing and done.total_length - 1 == len(routing)
+    # The dynamic-sampling carry-over and the partial-rollout buffer are pickled into the checkpoint's buffer.pkl.
+    carry = pickle.loads(pickle.dumps(CarryOver(groups=[[done]], partial=[[cut]])))
+    assert np.array_equal(carry.groups[0][0].rollout_routed_experts, routing)
+    assert carry.groups[0][0].rollout_routed_experts.dtype == np.uint8
+    with pytest.raises(ValueError, match="routed experts for 5 tokens of a sequence of 7: expected 6"):
+        extend(cut, [12, 13], [-0.3, -0.4], COMPLETED, version=1, routed_experts=routing[:5])

@@ -44,6 +44,9 @@ def test_args_carry_vime_names_and_are_read_only(tmp_path):
     assert (args.n_samples_per_prompt, args.rollout_batch_size, args.rm_type) == (2, 2, "math")
     assert args.global_batch_size == 4 and args.tensor_model_parallel_size == 1
     assert args.grpo_std_normalization is False and args.reward_key is None
+    assert args.use_routing_replay is False
+    r3 = vime_args(_cfg(tmp_path, **{"use-rollout-routing-replay": True}))
+    assert r3.use_routing_replay is True and r3.use_rollout_routing_replay is True  # slime's: R3 implies R2
     with pytest.raises(AttributeError, match="read-only"):
         args.rollout_batch_size = 3
     with pytest.raises(AttributeError, match="no flag --sglang-router-ip"):

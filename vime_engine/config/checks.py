@@ -43,6 +43,7 @@ def check_combinations(cfg: EngineConfig) -> None:
         raise ConfigError("--async-rollout needs the rollout engine on its own actor: drop --colocate")
     _check_fault_tolerance(cfg)
     _check_server_mode(cfg)
+    _check_rollout_routing_replay(cfg)
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError(
             f"--over-sampling-batch-size {r.over_sampling_batch_size} must be >= --rollout-batch-size "
@@ -197,6 +198,25 @@ def _check_server_mode(cfg: EngineConfig) -> None:
                "keeps the groups that finish first, which over HTTP depends on timing: not built yet in server mode")
     if why:
         raise ConfigError(f"--rollout-mode server: {why}")
+
+
+def _check_rollout_routing_replay(cfg: EngineConfig) -> None:
+    """Where the engine's routed experts can come back with each sample (the platform is checked by the
+    preflight, which knows the device)."""
+    r = cfg.rollout
+    if not cfg.algorithm.use_rollout_routing_replay:
+        return
+    why = None
+    if cfg.placement.rollout_mode == "server":
+        why = ("the routed experts in the servers' /inference/v1/generate answers are not read yet: use "
+               "--rollout-mode inprocess")
+    elif r.custom_generate_function_path:
+        why = ("a --custom-generate-function-path function's turns do not carry their routed experts yet: drop "
+               "one of the two")
+    elif r.vllm_enable_prefix_caching is False:
+        why = "vLLM returns routed experts only with its prefix cache on: drop --vllm-enable-prefix-caching false"
+    if why:
+        raise ConfigError(f"--use-rollout-routing-replay: {why}")
 
 
 # vime's own whole-rollout functions; naming one of them asks for what our engine does anyway.

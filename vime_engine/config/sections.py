@@ -196,6 +196,14 @@ class AlgorithmConfig(_Section):
         0.0, ge=0, description="weight of a mixture-of-experts model's router load-balancing loss (Megatron's "
         "aux_loss, HF's aux_loss on the torch backends); 0: not computed"
     )
+    use_routing_replay: bool = Field(
+        False, description="mixture of experts: the training forwards send each token to the experts the rollout's "
+        "old-policy forward chose (routing replay, arXiv 2507.18071)"
+    )
+    use_rollout_routing_replay: bool = Field(
+        False, description="mixture of experts: every forward of the policy sends each token to the experts the "
+        "rollout engine chose while generating it (R3, arXiv 2510.11370; implies --use-routing-replay)"
+    )
     eps_clip: float = Field(
         0.2, ge=0, description="PPO clip range below the ratio 1 (and above it, without --eps-clip-high)"
     )

@@ -64,6 +64,7 @@ def vime_args(cfg: EngineConfig, **extra: Any) -> VimeArgs:
         global_batch_size=cfg.global_batch_size,  # resolved from --num-steps-per-rollout when not given
         eps_clip_high=cfg.eps_clip_high,
         grpo_std_normalization=not a.disable_grpo_std_normalization,
+        use_routing_replay=a.use_routing_replay or a.use_rollout_routing_replay,  # vime's: R3 implies R2
         rewards_normalization=True,  # vime's default; our group estimators always normalise
         reward_key=None,  # rewards are floats here; Sample.get_reward_value(args) reads it as vime's does
         rollout_global_dataset=True,

@@ -10,12 +10,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vime_engine.sample import SampleStatus
 from vime_engine.weight_sync.vllm_reload import reload_weights
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class EngineSettings:
     enable_sleep_mode: bool = False
     max_num_seqs: int | None = None  # None: vLLM's
     attention_backend: str | None = None  # an AttentionBackendEnum name; None: vLLM's choice
+    # --use-rollout-routing-replay: every finished request returns the experts each token was routed to (vLLM's
+    # enable_return_routed_experts; refused on CPU before anything starts: rollout/routed_experts.py).
+    return_routed_experts: bool = False
     tuning: DeviceTuning = field(default_factory=DeviceTuning)
 
 
@@ -123,12 +129,17 @@ class Request:
 
 @dataclass
 class Completion:
-    """What a request generated: all of it once finished, or what it had when aborted (status ABORTED)."""
+    """What a request generated: all of it once finished, or what it had when aborted (status ABORTED).
+
+    `routed_experts` (engines asked for them, finished requests only): vLLM's [prompt + generated tokens - 1,
+    layers, top_k] experts of every token the request fed the model, its prompt's included (the routing record of
+    vime_engine/train/routing_replay.py)."""
 
     key: str
     token_ids: list[int]
     log_probs: list[float]
     status: SampleStatus
+    routed_experts: np.ndarray | None = None
 
 
 class VLLMEngine:
@@ -184,7 +195,7 @@ class VLLMEngine:
             if out.finished:
                 del self._so_far[out.request_id]
                 status = SampleStatus.TRUNCATED if choice.finish_reason == "length" else SampleStatus.COMPLETED
-                finished.append(Completion(out.request_id, tokens, log_probs, status))
+                finished.append(Completion(out.request_id, tokens, log_probs, status, choice.routed_experts))
         return finished
 
     def abort(self) -> list[Completion]:
@@ -240,6 +251,8 @@ def vllm_engine_args(settings: EngineSettings, device_kind: str, sleep_mode_avai
             raise ValueError(f"--vllm-attention-backend {settings.attention_backend}: on CPU vLLM runs attention "
                              f"with {CPU_ATTENTION} only; drop the flag or give {CPU_ATTENTION}")
         args["attention_backend"] = backend
+    if settings.return_routed_experts:
+        args["enable_return_routed_experts"] = True
     return args
 
 

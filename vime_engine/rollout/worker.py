@@ -69,6 +69,7 @@ def engine_settings(cfg: EngineConfig, kv_cache_bytes: int | None) -> EngineSett
         distributed_executor_backend="external_launcher" if spread_over_ranks else None,
         enable_sleep_mode=cfg.placement.colocate is True,
         max_num_seqs=r.vllm_max_num_seqs, attention_backend=r.vllm_attention_backend,
+        return_routed_experts=cfg.algorithm.use_rollout_routing_replay,
         tuning=DeviceTuning(
             enforce_eager=given(r.vllm_enforce_eager), enable_prefix_caching=given(r.vllm_enable_prefix_caching),
             enable_chunked_prefill=given(r.vllm_enable_chunked_prefill),
@@ -198,7 +199,8 @@ class RolloutWorker:
         """Fold a completion into its sample; its group's index if that finished (the group then rewarded)."""
         index, j = map(int, c.key.split("/"))
         sample = self._round.groups[index][j]
-        return self._place(c.key, extend(sample, c.token_ids, c.log_probs, c.status, self.engine.weight_version))
+        return self._place(c.key, extend(sample, c.token_ids, c.log_probs, c.status, self.engine.weight_version,
+                                         c.routed_experts))
 
     def _place(self, key: str, sample: Sample) -> int | None:
         """Put a sample (generated further) in its group; the group's index if that finished (then rewarded)."""

@@ -19,7 +19,7 @@ from vime_engine.checkpoint.lock import exclusive_writer
 from vime_engine.config import EngineConfig
 from vime_engine.plugins.boundary import user_functions_in
 from vime_engine.rollout.metrics import rollout_metrics, version_metrics
-from vime_engine.preflight import check_datasets, check_inputs
+from vime_engine.preflight import check_datasets, check_inputs, check_on_device
 from vime_engine.rollout.dynamic_sampling import collect_groups
 from vime_engine.runtime.cluster import ray_cluster
 from vime_engine.devices.accelerator import Accelerator, resolve_accelerator
@@ -58,6 +58,7 @@ def train(cfg: EngineConfig, end_rollout_id: int | None = None, on_rollout: Roll
         check_inputs(cfg)  # model, checkpoints and plugins, before Ray starts
         preemption.stop_if_requested()
         accel = resolve_accelerator(cfg.placement.device)
+        check_on_device(cfg, accel.kind)
         cfg = with_placement_decided(cfg, accel.kind)
         with (exclusive_writer(save) if save is not None else contextlib.nullcontext(),  # one run per --save
               ThreadPoolExecutor(1, thread_name_prefix="preflight") as background):

@@ -34,17 +34,27 @@ class ForwardRows:
     token_rows: Tensor
     predictors: Tensor
     targets: Tensor
+    # One entry per sample, in row order: its row, its prompt's length, where its response starts in the row and
+    # the response's length.
+    spans: tuple[tuple[int, int, int, int], ...]
 
     @property
     def first_predictor(self) -> int:
         """The earliest position any log-prob needs: the LM head can skip the positions before it."""
         return int(self.predictors.min()) if self.predictors.numel() else 0
 
+    def sample_token_index(self) -> list[Tensor]:
+        """Each sample's tokens (prompt, then response) as positions in the rows flattened to [rows × length], where
+        they are computed (a shared prompt's positions are those of every sample of its row)."""
+        length, device = self.input_ids.shape[1], self.input_ids.device
+        return [torch.cat([torch.arange(prompt), torch.arange(start, start + response)]).to(device) + row * length
+                for row, prompt, start, response in self.spans]
+
 
 def build_forward_rows(rows: list[list[Sample]], device: torch.device) -> ForwardRows:
     """The forward tensors of `rows` (each a non-empty list of samples with the same prompt tokens)."""
     sequences, positions, segments = [], [], []
-    token_rows, predictors, targets = [], [], []
+    token_rows, predictors, targets, spans = [], [], [], []
     for row, samples in enumerate(rows):
         prompt = samples[0].prompt_tokens
         if any(s.prompt_tokens != prompt for s in samples):
@@ -52,6 +62,7 @@ def build_forward_rows(rows: list[list[Sample]], device: torch.device) -> Forwar
         tokens, position, segment = list(prompt), list(range(len(prompt))), [0] * len(prompt)
         for k, sample in enumerate(samples, start=1):
             start, length = len(tokens), sample.response_length
+            spans.append((row, len(prompt), start, length))
             tokens += sample.response_tokens
             position += range(len(prompt), len(prompt) + length)
             segment += [k] * length
@@ -72,7 +83,7 @@ def build_forward_rows(rows: list[list[Sample]], device: torch.device) -> Forwar
     as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
     return ForwardRows(input_ids.to(device), position_ids.to(device), attention_mask.to(device),
                        (segment_ids != PADDING).long().to(device), as_tensor(token_rows), as_tensor(predictors),
-                       as_tensor(targets))
+                       as_tensor(targets), tuple(spans))
 
 
 def _shared_prompt_mask(segment_ids: Tensor) -> Tensor:

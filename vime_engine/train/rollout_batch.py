@@ -56,12 +56,14 @@ class RolloutBatch:
 def old_log_probs_from_training_forward(cfg: EngineConfig, num_samples: int) -> bool:
     """Whether a rollout's old log-probs can be the training forward's own, detached, instead of a separate
     no-grad pass over the rollout first: yes when the rollout is one optimizer step (the policy has not moved
-    when any micro-batch's forward runs, so old == current) and the advantages do not read them before training
-    (the KL to the reference of an estimator that folds `--kl-coef` into the reward)."""
+    when any micro-batch's forward runs, so old == current), the advantages do not read them before training
+    (the KL to the reference of an estimator that folds `--kl-coef` into the reward), and no routing is to be
+    recorded in that pass (`--use-routing-replay` without the rollout's routing: slime runs the pass for it too)."""
     alg = cfg.algorithm
     kl_in_advantages = ESTIMATORS[alg.advantage_estimator].uses_reward_kl and alg.kl_coef != 0
     kl_in_advantages |= alg.custom_advantage_function_path is not None  # vime's function may read them
-    return len(global_batches(num_samples, cfg.global_batch_size)) == 1 and not kl_in_advantages
+    records_routing = alg.use_routing_replay and not alg.use_rollout_routing_replay
+    return len(global_batches(num_samples, cfg.global_batch_size)) == 1 and not kl_in_advantages and not records_routing
 
 
 def build_rollout_batch(

@@ -37,6 +37,7 @@ from vime_engine.train.micro_batches import (
     plan_shared_prompt_micro_batches,
 )
 from vime_engine.train.objective import MicroBatchOutputs, lr_schedule, micro_batch_loss, needs_reference
+from vime_engine.train.routing_replay import RoutingPass, rollout_record
 from vime_engine.train.rollout_batch import (
     RolloutBatch,
     build_rollout_batch,
@@ -49,6 +50,9 @@ from vime_engine.train.sharding import gathered, shard_model, sharded_like, shar
 MODEL_FILE = "model.safetensors"
 TRAINER_TENSORS_FILE = "trainer.safetensors"  # optimizer moments, critic weights
 TRAINER_STATE_FILE = "trainer.pt"  # the rest: param groups, scheduler, RNG states (small)
+# Routing replay's counts of token × MoE-layer decisions, summed over micro-batches and ranks like the metrics, then
+# turned into train/routing_replay_match: the share whose freshly computed experts were the replayed ones.
+ROUTES_MATCHED, ROUTES_REPLAYED = "routing/matched", "routing/replayed"
 # `--optimizer`: Megatron's "adam" applies weight decay decoupled, as AdamW does.
 OPTIMIZERS = {"adam": torch.optim.AdamW}
 
@@ -88,6 +92,11 @@ class TorchTrainBackend:
         # A mixture-of-experts model's load-balancing loss, in the training forward only (preflight refused a
         # coefficient for a model without experts); at 0 the forward and the loss are the dense path's.
         self.moe_aux_loss = cfg.algorithm.moe_aux_loss_coeff > 0
+        # Routing replay (vime_engine.train.routing_replay): "rollout" replays each sample's engine routing (R3),
+        # "old_policy" the rollout's old-policy forward's (R2); None routes freely.
+        a = cfg.algorithm
+        self.routing_replay = ("rollout" if a.use_rollout_routing_replay
+                               else "old_policy" if a.use_routing_replay else None)
         self.ref_model = None
         if needs_reference(cfg):
             ref_path = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
@@ -114,16 +123,22 @@ class TorchTrainBackend:
 
     # -- forward passes -----------------------------------------------------------------------------------------
     def _forward(self, model: nn.Module, rows: list[list[Sample]], with_entropy: bool,
-                 with_moe_aux_loss: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                 with_moe_aux_loss: bool = False,
+                 routing: RoutingPass | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Flat response log-probs of the samples of `rows` (one padded batch of rows, each a prompt and the
         responses sharing it: vime_engine.train.forward_rows), if asked the sampling distribution's entropy there,
-        and if asked the router's load-balancing loss over the rows' tokens (`_moe_aux_loss`). The LM head runs
-        only from the earliest predicting position on (`logits_to_keep`), and log-probs and entropy come chunk by
-        chunk over the tokens (vime_engine.algorithms.token_log_probs)."""
+        and if asked the router's load-balancing loss over the rows' tokens (`_moe_aux_loss`); with `routing`, the
+        policy's routers replay its records and it keeps what they chose. The LM head runs only from the earliest
+        predicting position on (`logits_to_keep`), and log-probs and entropy come chunk by chunk over the tokens
+        (vime_engine.algorithms.token_log_probs)."""
         layout = build_forward_rows(rows, self.device)
         first = layout.first_predictor
         router_logits: list[Tensor] = []
-        with _recording_router_logits(self.model, router_logits) if with_moe_aux_loss else contextlib.nullcontext():
+        with contextlib.ExitStack() as hooks:
+            if routing is not None:
+                hooks.enter_context(routing.applied(self.model, layout))
+            if with_moe_aux_loss:
+                hooks.enter_context(_recording_router_logits(self.model, router_logits))
             logits = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
                            position_ids=layout.position_ids, logits_to_keep=layout.input_ids.shape[1] - first,
                            use_cache=False).logits
@@ -163,23 +178,57 @@ class TorchTrainBackend:
         return values[rows_of_tokens, positions - 1]
 
     @torch.no_grad()
-    def _batched(self, fn, samples: list[Sample]) -> Tensor:
-        """`fn` over micro-batches of this rank's share of `samples`, gathered into all samples' flat values."""
-        mine = [samples[i] for i in self.dp.share(list(range(len(samples))))]
-        pieces: dict[int, Tensor] = {}
+    def _batched(self, fn, samples: list[Sample], sizes: list[list[int]] | None = None) -> list[Tensor]:
+        """`fn` over micro-batches of this rank's share of `samples`, gathered on every rank into all samples' flat
+        values. `fn(rows, indices)` gets the rows of samples and their indices in `samples` (row order) and returns
+        one flat tensor per kind of value, the samples' pieces in row order: `sizes[k][i]` values of kind k for
+        sample i (default: one kind, a value per response token)."""
+        sizes = sizes or [[s.response_length for s in samples]]
+        share = self.dp.share(list(range(len(samples))))
+        mine = [samples[i] for i in share]
+        pieces: list[dict[int, Tensor]] = [{} for _ in sizes]
         for mb in self._micro_batches(mine):  # packed micro-batches are not in sample order: put each piece back
             if not mb:  # this rank's share ran out; the others' sharded forwards still need it
-                fn([samples[:1]])
+                fn([samples[:1]], [0])
                 continue
             order = [i for row in mb for i in row]
-            flat = fn([[mine[i] for i in row] for row in mb])
-            pieces.update(zip(order, torch.split(flat, [mine[i].response_length for i in order])))
-        local = torch.cat([pieces[i] for i in range(len(mine))])
-        return self.dp.gather_per_sample(local, [s.response_length for s in samples])
+            values = fn([[mine[i] for i in row] for row in mb], [share[i] for i in order])
+            for kind, flat in enumerate(values):
+                pieces[kind].update(zip(order, torch.split(flat, [sizes[kind][share[i]] for i in order])))
+        return [self.dp.gather_per_sample(torch.cat([got[i] for i in range(len(mine))]), kind_sizes)
+                for got, kind_sizes in zip(pieces, sizes)]
 
     def log_probs(self, samples: list[Sample]) -> Tensor:
         """Current policy's flat response log-probs (no gradient)."""
-        return self._batched(lambda mb: self._forward(self.model, mb, with_entropy=False)[0], samples)
+        return self._batched(lambda mb, _: self._forward(self.model, mb, with_entropy=False)[:1], samples)[0]
+
+    def _old_policy(self, samples: list[Sample], records: list[Tensor] | None) -> tuple[Tensor, list[Tensor] | None]:
+        """The old log-probs (no gradient) and the routing the training forwards replay: the rollout's `records`,
+        replayed here too (R3), or this forward's own routing, recorded (R2), or None."""
+        if self.routing_replay != "old_policy":
+            def old(rows, indices):
+                routing = None if records is None else RoutingPass([records[i] for i in indices])
+                return self._forward(self.model, rows, with_entropy=False, routing=routing)[:1]
+
+            return self._batched(old, samples)[0], records
+
+        def recorded(rows, _):
+            routing = RoutingPass()
+            log_probs = self._forward(self.model, rows, with_entropy=False, routing=routing)[0]
+            return log_probs, torch.cat([record.flatten() for record in routing.records()])
+
+        config = self.model.config
+        shape = (config.num_hidden_layers, config.num_experts_per_tok)
+        routed = [(s.total_length - 1) * math.prod(shape) for s in samples]
+        log_probs, flat = self._batched(recorded, samples, [[s.response_length for s in samples], routed])
+        return log_probs, [piece.view(-1, *shape) for piece in torch.split(flat, routed)]
+
+    def _rollout_records(self, samples: list[Sample]) -> list[Tensor] | None:
+        """Each sample's engine routing, checked (R3); None otherwise."""
+        if self.routing_replay != "rollout":
+            return None
+        c = self.model.config
+        return [rollout_record(s, c.num_hidden_layers, c.num_experts_per_tok, c.num_experts) for s in samples]
 
     def _micro_batches(self, samples: list[Sample]) -> list[list[list[int]]]:
         """The micro-batches of this rank's `samples`, each a list of forward rows of sample indices (samples with
@@ -191,27 +240,36 @@ class TorchTrainBackend:
 
     # -- one rollout's training ---------------------------------------------------------------------------------
     def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
-        """Advantages for the whole rollout, then one optimizer step per global batch; averaged metrics."""
-        old_lp = None if old_log_probs_from_training_forward(self.cfg, len(samples)) else self.log_probs(samples)
+        """Advantages for the whole rollout, then one optimizer step per global batch; averaged metrics. Under
+        routing replay every training forward replays `routes` (the rollout's, or the old-policy forward's)."""
+        old_lp, routes = None, self._rollout_records(samples)
+        if not old_log_probs_from_training_forward(self.cfg, len(samples)):
+            old_lp, routes = self._old_policy(samples, routes)
         ref_lp = None
         if self.ref_model is not None:
-            ref_lp = self._batched(lambda mb: self._forward(self.ref_model, mb, with_entropy=False)[0], samples)
-        old_values = self._batched(self._values, samples) if self.critic is not None else None
+            ref_lp = self._batched(lambda mb, _: self._forward(self.ref_model, mb, with_entropy=False)[:1],
+                                   samples)[0]
+        old_values = self._batched(lambda mb, _: (self._values(mb),), samples)[0] if self.critic is not None else None
         rollout = build_rollout_batch(self.cfg, samples, old_lp, ref_lp, old_values, device=self.device)
         steps = global_batches(len(samples), self.cfg.global_batch_size)
         totals: dict[str, float] = {}
         for step in steps:
-            for key, value in self._optimizer_step(samples, step, rollout).items():
+            for key, value in self._optimizer_step(samples, step, rollout, routes).items():
                 totals[key] = totals.get(key, 0.0) + value / len(steps)
         totals["train/lr"] = self.scheduler.get_last_lr()[0]
+        if routes is not None:  # both counts were averaged over the steps alike: their ratio is the rollout's
+            matched, replayed = totals.pop(ROUTES_MATCHED), totals.pop(ROUTES_REPLAYED)
+            if replayed:
+                totals["train/routing_replay_match"] = matched / replayed
         return totals
 
-    def _optimizer_step(self, samples: list[Sample], step: list[int], rollout: RolloutBatch) -> dict[str, float]:
+    def _optimizer_step(self, samples: list[Sample], step: list[int], rollout: RolloutBatch,
+                        routes: list[Tensor] | None = None) -> dict[str, float]:
         local = (self.dp.balanced_share(step, [s.total_length for s in samples]) if self.cfg.train.balance_data
                  else self.dp.share(step))
         local_samples = [samples[i] for i in local]
         global_tokens, global_samples = max(rollout.num_tokens(step), 1), len(step)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {} if routes is None else {ROUTES_MATCHED: 0.0, ROUTES_REPLAYED: 0.0}
         self.optimizer.zero_grad(set_to_none=True)
         micro_batches = self._micro_batches(local_samples)
         for n, mb in enumerate(micro_batches):
@@ -221,14 +279,17 @@ class TorchTrainBackend:
                     self._zero_backward(samples[step[0]])
                     continue
                 rows = [[local_samples[i] for i in row] for row in mb]
-                log_probs, entropy, moe_aux_loss = self._forward(self.train_model, rows, with_entropy=True,
-                                                                 with_moe_aux_loss=self.moe_aux_loss)
-                values = self._values(rows, self.train_critic) if self.critic is not None else None
                 order = [local[i] for row in mb for i in row]
+                routing = None if routes is None else RoutingPass([routes[i] for i in order])
+                log_probs, entropy, moe_aux_loss = self._forward(self.train_model, rows, with_entropy=True,
+                                                                 with_moe_aux_loss=self.moe_aux_loss, routing=routing)
+                values = self._values(rows, self.train_critic) if self.critic is not None else None
                 loss, mb_metrics = micro_batch_loss(
                     self.cfg, MicroBatchOutputs(log_probs, entropy, values, moe_aux_loss), rollout.targets(order),
                     global_tokens, global_samples,
                 )
+                if routing is not None:
+                    mb_metrics.update({ROUTES_MATCHED: routing.matched, ROUTES_REPLAYED: routing.replayed})
                 (loss * self.dp.size).backward()  # gradients are averaged over ranks; the global denominators did
             for key, value in mb_metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + value
