@@ -6,12 +6,22 @@ rollout i+1 is generated under the weights before training on rollout i, so the 
 is that the loop runs, overlaps, and keeps its versions straight. With partial rollout, responses cut off in
 one rollout are finished in the next under newer weights: each token's rollout log-prob must be that of the
 weights its segment records.
+
+The server-mode run also shows fault tolerance behind the router: one of its two `vllm serve` engines is SIGKILLed
+in the middle of rollout 1 (`ServerKiller`), and the run must still end on the in-process run's weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import threading
+import time
 
+import httpx
+import psutil
 import pytest
 import ray
 import torch
@@ -29,7 +39,7 @@ def inputs(tmp_path_factory, tiny_model, arithmetic_data):
     return tiny_model, arithmetic_data, tmp_path_factory.mktemp("engine-loop")
 
 
-def _run(inputs, name: str, **flags):
+def _run(inputs, name: str, on_rollout=None, **flags):
     model, data, root = inputs
     cfg = build_config([], **{
         "hf-checkpoint": str(model), "prompt-data": str(data), "input-key": "question", "label-key": "answer",
@@ -38,7 +48,7 @@ def _run(inputs, name: str, **flags):
         "global-batch-size": 8, "lr": 1e-2, "vllm-kv-cache-gb": 0.25,
         "custom-rm-path": "tests/support/tiny_task.py:digit_share", "output-dir": str(root / name), **flags,
     })
-    return train(cfg), root / name / "metrics.jsonl"
+    return train(cfg, on_rollout=on_rollout), root / name / "metrics.jsonl"
 
 
 PLACEMENTS = {
@@ -46,9 +56,13 @@ PLACEMENTS = {
     "disaggregated": {"colocate": False},
     # Two engines (the rollout group): each sync is one broadcast to both, each rollout spread over both.
     "two-engines-broadcast": {"weight-sync": "broadcast", "rollout-num-gpus": 2},
-    # vime's layout: two `vllm serve` engines behind a vllm-router, every request posted to the router.
-    "two-servers-behind-a-router": {"rollout-mode": "server", "rollout-num-gpus": 2},
+    # vime's layout: two `vllm serve` engines behind a vllm-router, every request posted to the router; one is
+    # SIGKILLed mid-rollout and replaced (round robin gives both servers requests to lose; health checks every 2 s).
+    "two-servers-behind-a-router": {"rollout-mode": "server", "rollout-num-gpus": 2, "router-policy": "round_robin",
+                                    "use-fault-tolerance": True, "rollout-health-check-interval": 2,
+                                    "rollout-health-check-timeout": 5},
 }
+SERVER_KILLED_IN_ROLLOUT = 1
 EXPORTED = ("two-engines-broadcast", "two-servers-behind-a-router")  # compared by the test after the loop's
 
 
@@ -60,10 +74,90 @@ def runs(inputs):
     def run(name: str):
         if name not in made:
             extra = {"save-hf": str(inputs[2] / name / "hf")} if name in EXPORTED else {}
-            made[name] = _run(inputs, name, **PLACEMENTS[name], **extra)
-        return made[name]
+            killer = ServerKiller() if PLACEMENTS[name].get("use-fault-tolerance") else None
 
+            def start_killer(rollout_id: int, _metrics) -> None:
+                if killer is not None and rollout_id == SERVER_KILLED_IN_ROLLOUT - 1:
+                    killer.start()
+            try:
+                made[name] = (*_run(inputs, name, on_rollout=start_killer, **PLACEMENTS[name], **extra), killer)
+            finally:
+                if killer is not None:
+                    killer.stop.set()
+        return made[name][:2]
+
+    run.killers = lambda name: made[name][2]
     return run
+
+
+class ServerKiller(threading.Thread):
+    """Once the run's dispatcher is generating (Ray titles its process `ray::Dispatcher.generate`), SIGKILLs one of
+    the run's `vllm serve` processes, then watches the run's router until the killed server has left its worker list
+    and a new one has joined. The server is stopped (SIGSTOP) a second before the SIGKILL, so that the requests the
+    router sends it meanwhile are in flight when it dies. The run's processes descend from this test's process."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.stop = threading.Event()
+        self.killed_at = self.removed_at = self.joined_at = None
+        self.killed_url, self.group, self.error = None, [], None
+
+    def run(self) -> None:
+        try:
+            self._kill_and_watch()
+        except Exception as error:  # shown by the test's assertion
+            self.error = repr(error)
+
+    def _kill_and_watch(self) -> None:
+        while not self.stop.is_set() and not any(_cmdline(p).startswith("ray::Dispatcher.generate")
+                                                 for p in _ours()):
+            time.sleep(0.01)
+        servers = [p for p in _ours() if _unguarded(p, "vllm.entrypoints.openai.api_server")]
+        router = next(p for p in _ours() if "vllm-router" in _cmdline(p))  # its guard (the router retitles itself)
+        victim = servers[0]
+        self.killed_url = f"http://127.0.0.1:{_flag(victim, '--port')}"
+        self.group = [p for p in psutil.process_iter() if _group(p) == victim.pid]  # the server and its engine core
+        router_url = f"http://127.0.0.1:{_flag(router, '--port')}"
+        before = set(httpx.get(router_url + "/list_workers").json()["urls"])
+        os.kill(victim.pid, signal.SIGSTOP)
+        time.sleep(1)
+        os.kill(victim.pid, signal.SIGKILL)
+        self.killed_at = time.time()
+        while not self.stop.is_set() and self.joined_at is None:
+            with contextlib.suppress(httpx.HTTPError):
+                workers = set(httpx.get(router_url + "/list_workers", timeout=5).json()["urls"])
+                if self.removed_at is None and self.killed_url not in workers:
+                    self.removed_at = time.time()
+                if self.removed_at is not None and workers - before:
+                    self.joined_at = time.time()
+            time.sleep(0.1)
+
+
+def _ours() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def _cmdline(process: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return " ".join(process.cmdline())
+    return ""
+
+
+def _unguarded(process: psutil.Process, program: str) -> bool:
+    """`process` runs `program` (its guard, whose command line names it too, does not)."""
+    words = _cmdline(process).split()
+    return any(word.endswith(program) for word in words) and not any("server_guard" in word for word in words)
+
+
+def _flag(process: psutil.Process, flag: str) -> str:
+    words = process.cmdline()
+    return words[words.index(flag) + 1]
+
+
+def _group(process: psutil.Process) -> int | None:
+    with contextlib.suppress(OSError):
+        return os.getpgid(process.pid)
+    return None
 
 
 @pytest.mark.parametrize("name", PLACEMENTS)
@@ -89,12 +183,23 @@ def test_server_engines_behind_the_router_train_the_weights_of_in_process_engine
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # the HF exports, bit for bit
     assert not _servers_left(), "a vllm serve or vllm-router process outlived its run"
 
+    # ... although one server was SIGKILLed in rollout 1: the router stopped sending it work, a new server joined it,
+    # nothing of the killed one (its engine core included) outlived it, and the run restarted one engine
+    killer = runs.killers(EXPORTED[1])
+    assert killer.killed_at is not None, f"no server was killed: {killer.error or 'no dispatcher seen generating'}"
+    assert killer.removed_at is not None and killer.joined_at is not None, "the router's workers did not change"
+    assert len(killer.group) >= 2  # the server and vLLM's engine core
+    assert not [p for p in killer.group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert [row.get("rollout/engine_restarts", 0) for row in served.history] == [0, 1, 1]
+    print(f"\nserver SIGKILLed → removed from the router: {killer.removed_at - killer.killed_at:.1f} s; → a new "
+          f"server joined: {killer.joined_at - killer.killed_at:.1f} s; rollout {SERVER_KILLED_IN_ROLLOUT} took "
+          f"{served.history[SERVER_KILLED_IN_ROLLOUT]['perf/rollout_time']:.1f} s")
+
 
 def _servers_left() -> list[str]:
-    import psutil
-
     return [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])
             if any("vllm.entrypoints.openai.api_server" in part or part.endswith("vllm-router")
+                   or part.startswith("vllm::router")  # the router's own title
                    for part in p.info["cmdline"] or [])]
 
 
