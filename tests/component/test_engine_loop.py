@@ -7,8 +7,10 @@ is that the loop runs, overlaps, and keeps its versions straight. With partial r
 one rollout are finished in the next under newer weights: each token's rollout log-prob must be that of the
 weights its segment records.
 
-The server-mode run also shows fault tolerance behind the router: one of its two `vllm serve` engines is SIGKILLed
-in the middle of rollout 1 (`ServerKiller`), and the run must still end on the in-process run's weights.
+The server-mode run is `vimeflow train` itself, disturbed twice: one of its two `vllm serve` engines is SIGKILLed
+in the middle of rollout 1 (fault tolerance replaces it, `ServerKiller`), and the whole run is SIGKILLed in
+rollout 2's generation and resumed from its checkpoint of rollout 1 (tests/support/killed_runs.py); it must still
+end on the in-process run's weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,13 +21,17 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 import ray
 import torch
+import yaml
 
+from tests.support.killed_runs import REPO, run_train
+from vime_engine.checkpoint.store import find_latest
 from vime_engine.config import build_config
 from vime_engine.runtime.driver import train
 from vime_engine.runtime.workers import Workers
@@ -39,16 +45,44 @@ def inputs(tmp_path_factory, tiny_model, arithmetic_data):
     return tiny_model, arithmetic_data, tmp_path_factory.mktemp("engine-loop")
 
 
-def _run(inputs, name: str, on_rollout=None, **flags):
+def _flags(inputs, name: str, **flags) -> dict:
     model, data, root = inputs
-    cfg = build_config([], **{
+    return {
         "hf-checkpoint": str(model), "prompt-data": str(data), "input-key": "question", "label-key": "answer",
         "apply-chat-template": True, "rollout-shuffle": True, "num-rollout": NUM_ROLLOUT,
         "rollout-batch-size": 4, "n-samples-per-prompt": 4, "rollout-max-response-len": 12,
         "global-batch-size": 8, "lr": 1e-2, "vllm-kv-cache-gb": 0.25,
-        "custom-rm-path": "tests/support/tiny_task.py:digit_share", "output-dir": str(root / name), **flags,
-    })
-    return train(cfg, on_rollout=on_rollout), root / name / "metrics.jsonl"
+        "custom-rm-path": str(REPO / "tests/support/tiny_task.py") + ":digit_share", "output-dir": str(root / name),
+        **flags,
+    }
+
+
+def _run(inputs, name: str, **flags):
+    """A run in this process (on the module's Ray cluster): its history and metrics file."""
+    result = train(build_config([], **_flags(inputs, name, **flags)))
+    assert result.rollouts_done == list(range(NUM_ROLLOUT))
+    return result.history, inputs[2] / name / "metrics.jsonl"
+
+
+def _run_disturbed(inputs, name: str, **flags):
+    """`vimeflow train` with a server SIGKILLed in rollout 1, then the run SIGKILLed in rollout 2 (its dispatcher's
+    third round) and resumed: its history (the metrics file, which the resume cut back to its checkpoint) and
+    metrics file, and the ServerKiller."""
+    run_dir = inputs[2] / name
+    run_dir.mkdir(parents=True)
+    config = run_dir / "config.yaml"
+    config.write_text(yaml.safe_dump(_flags(inputs, name, **{"save": str(run_dir / "ckpt"), "save-interval": 1},
+                                            **flags)))
+    metrics = run_dir / "metrics.jsonl"
+    killer = ServerKiller(after_rollouts=SERVER_KILLED_IN_ROLLOUT, metrics=metrics)
+    killer.start()
+    try:
+        run_train(config, fault="vime_engine.rollout.server.router_engine:RouterEngine.submit:3", timeout=900)
+    finally:
+        killer.stop.set()
+    assert find_latest(run_dir / "ckpt").rollout_id == 1  # killed in rollout 2
+    assert run_train(config, timeout=600) == 0
+    return [json.loads(line) for line in metrics.read_text().splitlines()], metrics, killer
 
 
 PLACEMENTS = {
@@ -57,7 +91,8 @@ PLACEMENTS = {
     # Two engines (the rollout group): each sync is one broadcast to both, each rollout spread over both.
     "two-engines-broadcast": {"weight-sync": "broadcast", "rollout-num-gpus": 2},
     # vime's layout: two `vllm serve` engines behind a vllm-router, every request posted to the router; one is
-    # SIGKILLed mid-rollout and replaced (round robin gives both servers requests to lose; health checks every 2 s).
+    # SIGKILLed mid-rollout and replaced (round robin gives both servers requests to lose; health checks every 2 s),
+    # and the run is killed and resumed (`_run_disturbed`).
     "two-servers-behind-a-router": {"rollout-mode": "server", "rollout-num-gpus": 2, "router-policy": "round_robin",
                                     "use-fault-tolerance": True, "rollout-health-check-interval": 2,
                                     "rollout-health-check-timeout": 5},
@@ -68,39 +103,38 @@ EXPORTED = ("two-engines-broadcast", "two-servers-behind-a-router")  # compared 
 
 @pytest.fixture(scope="module")
 def runs(inputs):
-    """Each placement's run, made once for the tests that read it."""
+    """Each placement's run, made once for the tests that read it: its history and metrics file (and the server
+    run's ServerKiller, `runs.killer`)."""
     made = {}
 
     def run(name: str):
         if name not in made:
+            made[name] = None  # a run that fails is not made again for the next test
             extra = {"save-hf": str(inputs[2] / name / "hf")} if name in EXPORTED else {}
-            killer = ServerKiller() if PLACEMENTS[name].get("use-fault-tolerance") else None
+            if PLACEMENTS[name].get("use-fault-tolerance"):
+                *made[name], run.killer = _run_disturbed(inputs, name, **PLACEMENTS[name], **extra)
+            else:
+                made[name] = _run(inputs, name, **PLACEMENTS[name], **extra)
+        if made[name] is None:
+            pytest.fail(f"the {name} run failed in an earlier test")
+        return made[name]
 
-            def start_killer(rollout_id: int, _metrics) -> None:
-                if killer is not None and rollout_id == SERVER_KILLED_IN_ROLLOUT - 1:
-                    killer.start()
-            try:
-                made[name] = (*_run(inputs, name, on_rollout=start_killer, **PLACEMENTS[name], **extra), killer)
-            finally:
-                if killer is not None:
-                    killer.stop.set()
-        return made[name][:2]
-
-    run.killers = lambda name: made[name][2]
     return run
 
 
 class ServerKiller(threading.Thread):
-    """Once the run's dispatcher is generating (Ray titles its process `ray::Dispatcher.generate`), SIGKILLs one of
-    the run's `vllm serve` processes, then watches the run's router until the killed server has left its worker list
-    and a new one has joined. The server is stopped (SIGSTOP) a second before the SIGKILL, so that the requests the
-    router sends it meanwhile are in flight when it dies. The run's processes descend from this test's process."""
+    """Once the run has logged `after_rollouts` rollouts, stops (SIGSTOP) one of the run's `vllm serve` processes,
+    and SIGKILLs it a second after the run's dispatcher is seen generating (Ray titles its process
+    `ray::Dispatcher.generate`), so that the requests the router sent it are in flight when it dies; then watches
+    the run's router until the killed server has left its worker list and a new one has joined. The run's processes
+    descend from this test's process."""
 
-    def __init__(self):
+    def __init__(self, after_rollouts: int, metrics: Path):
         super().__init__(daemon=True)
+        self.after_rollouts, self.metrics = after_rollouts, metrics
         self.stop = threading.Event()
         self.killed_at = self.removed_at = self.joined_at = None
-        self.killed_url, self.group, self.error = None, [], None
+        self.killed_url, self.group, self.error, self.in_rollout = None, [], None, None
 
     def run(self) -> None:
         try:
@@ -108,10 +142,12 @@ class ServerKiller(threading.Thread):
         except Exception as error:  # shown by the test's assertion
             self.error = repr(error)
 
+    def _logged(self) -> int:
+        return len(self.metrics.read_text().splitlines()) if self.metrics.exists() else 0
+
     def _kill_and_watch(self) -> None:
-        while not self.stop.is_set() and not any(_cmdline(p).startswith("ray::Dispatcher.generate")
-                                                 for p in _ours()):
-            time.sleep(0.01)
+        while not self.stop.is_set() and self._logged() < self.after_rollouts:
+            time.sleep(0.05)
         servers = [p for p in _ours() if _unguarded(p, "vllm.entrypoints.openai.api_server")]
         router = next(p for p in _ours() if "vllm-router" in _cmdline(p))  # its guard (the router retitles itself)
         victim = servers[0]
@@ -119,10 +155,17 @@ class ServerKiller(threading.Thread):
         self.group = [p for p in psutil.process_iter() if _group(p) == victim.pid]  # the server and its engine core
         router_url = f"http://127.0.0.1:{_flag(router, '--port')}"
         before = set(httpx.get(router_url + "/list_workers").json()["urls"])
+        # Stopped before the next rollout's requests come (the run logs a rollout after its weight sync), so that
+        # those the router sends it are in flight when it dies.
         os.kill(victim.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 120
+        while not self.stop.is_set() and time.monotonic() < deadline and not any(
+                _cmdline(p).startswith("ray::Dispatcher.generate") for p in _ours()):
+            time.sleep(0.01)
         time.sleep(1)
         os.kill(victim.pid, signal.SIGKILL)
         self.killed_at = time.time()
+        self.in_rollout = self._logged()  # the rollout under way: as many as were logged
         while not self.stop.is_set() and self.joined_at is None:
             with contextlib.suppress(httpx.HTTPError):
                 workers = set(httpx.get(router_url + "/list_workers", timeout=5).json()["urls"])
@@ -162,9 +205,9 @@ def _group(process: psutil.Process) -> int | None:
 
 @pytest.mark.parametrize("name", PLACEMENTS)
 def test_synchronous_loop_trains_on_exactly_the_rollout_policy(runs, cluster, name):
-    result, metrics_path = runs(name)
-    assert result.rollouts_done == list(range(NUM_ROLLOUT))
-    for row in result.history:
+    history, metrics_path = runs(name)
+    assert [row["rollout_id"] for row in history] == list(range(NUM_ROLLOUT))
+    for row in history:
         assert row["train/train_rollout_logprob_abs_diff"] <= 1e-5, row
         assert row["weight_version"] == row["rollout_id"] + 1
         assert row["train/grad_norm"] > 0  # the optimizer moved the weights, so each sync carried news
@@ -177,23 +220,25 @@ def test_server_engines_behind_the_router_train_the_weights_of_in_process_engine
 
     (in_process, _), (served, _) = runs(EXPORTED[0]), runs(EXPORTED[1])
     math = ("rollout/raw_reward", "train/pg_loss", "train/grad_norm", "train/train_rollout_logprob_abs_diff")
-    assert [[row[k] for k in math] for row in served.history] == [[row[k] for k in math] for row in in_process.history]
+    assert [[row[k] for k in math] for row in served] == [[row[k] for k in math] for row in in_process]
     weights = [load_file(next((inputs[2] / name / "hf").glob("*.safetensors"))) for name in EXPORTED]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # the HF exports, bit for bit
     assert not _servers_left(), "a vllm serve or vllm-router process outlived its run"
 
-    # ... although one server was SIGKILLed in rollout 1: the router stopped sending it work, a new server joined it,
-    # nothing of the killed one (its engine core included) outlived it, and the run restarted one engine
-    killer = runs.killers(EXPORTED[1])
-    assert killer.killed_at is not None, f"no server was killed: {killer.error or 'no dispatcher seen generating'}"
+    # ... although one server was SIGKILLed in rollout 1 (the router stopped sending it work, a new server joined it,
+    # nothing of the killed one, its engine core included, outlived it, and the run restarted one engine), and the
+    # run itself was killed in rollout 2 and resumed (its rollout 2 comes from the resumed process)
+    killer = runs.killer
+    assert killer.killed_at is not None, f"no server was killed: {killer.error}"
+    assert killer.in_rollout == SERVER_KILLED_IN_ROLLOUT
     assert killer.removed_at is not None and killer.joined_at is not None, "the router's workers did not change"
     assert len(killer.group) >= 2  # the server and vLLM's engine core
     assert not [p for p in killer.group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert [row.get("rollout/engine_restarts", 0) for row in served.history] == [0, 1, 1]
+    assert [row.get("rollout/engine_restarts", 0) for row in served] == [0, 1, 0]
     print(f"\nserver SIGKILLed → removed from the router: {killer.removed_at - killer.killed_at:.1f} s; → a new "
           f"server joined: {killer.joined_at - killer.killed_at:.1f} s; rollout {SERVER_KILLED_IN_ROLLOUT} took "
-          f"{served.history[SERVER_KILLED_IN_ROLLOUT]['perf/rollout_time']:.1f} s")
+          f"{served[SERVER_KILLED_IN_ROLLOUT]['perf/rollout_time']:.1f} s")
 
 
 def _servers_left() -> list[str]:
@@ -204,9 +249,8 @@ def _servers_left() -> list[str]:
 
 
 def test_async_loop_runs_one_step_off_policy(inputs, cluster):
-    result, _ = _run(inputs, "async", **{"async-rollout": True})
-    assert result.rollouts_done == list(range(NUM_ROLLOUT))
-    gaps = [row["train/train_rollout_logprob_abs_diff"] for row in result.history]
+    history, _ = _run(inputs, "async", **{"async-rollout": True})
+    gaps = [row["train/train_rollout_logprob_abs_diff"] for row in history]
     assert gaps[0] <= 1e-5  # rollout 0 was generated from the synced initial weights
     assert all(gap > 1e-5 for gap in gaps[1:])  # later rollouts overlapped training: one version stale
 
@@ -227,8 +271,7 @@ def test_partial_rollout_finishes_cut_off_groups_in_the_next_rollout_under_new_w
         return original_train(self, samples)
 
     monkeypatch.setattr(Workers, "train", recording_train)
-    result, _ = _run(inputs, "partial", **PARTIAL)
-    history = result.history
+    history, _ = _run(inputs, "partial", **PARTIAL)
     aborted = [row["rollout/aborted_groups"] for row in history]
     resumed = [row["rollout/resumed_groups"] for row in history]
     print(f"aborted groups per rollout {aborted}, resumed {resumed}, "
