@@ -30,7 +30,7 @@ import ray
 import torch
 import yaml
 
-from tests.support.killed_runs import REPO, run_train
+from tests.support.killed_runs import REPO, kill_run, run_train, start_train
 from vime_engine.checkpoint.store import find_latest
 from vime_engine.config import build_config
 from vime_engine.runtime.driver import train
@@ -65,22 +65,32 @@ def _run(inputs, name: str, **flags):
 
 
 def _run_disturbed(inputs, name: str, **flags):
-    """`vimeflow train` with a server SIGKILLed in rollout 1, then the run SIGKILLed in rollout 2 (its dispatcher's
-    third round) and resumed: its history (the metrics file, which the resume cut back to its checkpoint) and
-    metrics file, and the ServerKiller."""
+    """`vimeflow train` with a server SIGKILLed in rollout 1's generation (the dispatcher pauses as it submits
+    rollout 1, its second round, while the ServerKiller stops the server), then the whole run SIGKILLed once its
+    checkpoint of rollout 1 is in (in rollout 2), and resumed: its history (the metrics file, which the resume cut
+    back to its checkpoint), metrics file and ServerKiller."""
     run_dir = inputs[2] / name
     run_dir.mkdir(parents=True)
     config = run_dir / "config.yaml"
     config.write_text(yaml.safe_dump(_flags(inputs, name, **{"save": str(run_dir / "ckpt"), "save-interval": 1},
                                             **flags)))
     metrics = run_dir / "metrics.jsonl"
-    killer = ServerKiller(after_rollouts=SERVER_KILLED_IN_ROLLOUT, metrics=metrics)
+    proc, paused = start_train(config, victim="pause", fault="vime_engine.rollout.server.router_engine:"
+                               f"RouterEngine.submit:{SERVER_KILLED_IN_ROLLOUT + 1}")
+    killer = ServerKiller(paused)
     killer.start()
     try:
-        run_train(config, fault="vime_engine.rollout.server.router_engine:RouterEngine.submit:3", timeout=900)
+        deadline = time.monotonic() + 900
+        while proc.poll() is None and time.monotonic() < deadline and (
+                (latest := find_latest(run_dir / "ckpt")) is None or latest.rollout_id < 1):
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the run ended before its checkpoint of rollout 1; see {run_dir / 'log.txt'}"
+        kill_run(proc, paused)
     finally:
         killer.stop.set()
-    assert find_latest(run_dir / "ckpt").rollout_id == 1  # killed in rollout 2
+        if proc.poll() is None:
+            kill_run(proc, paused)
+    assert find_latest(run_dir / "ckpt").rollout_id == 1 and len(metrics.read_text().splitlines()) == 2
     assert run_train(config, timeout=600) == 0
     return [json.loads(line) for line in metrics.read_text().splitlines()], metrics, killer
 
@@ -97,7 +107,7 @@ PLACEMENTS = {
                                     "use-fault-tolerance": True, "rollout-health-check-interval": 2,
                                     "rollout-health-check-timeout": 5},
 }
-SERVER_KILLED_IN_ROLLOUT = 1
+SERVER_KILLED_IN_ROLLOUT = 1  # in its generation: the dispatcher's round (RouterEngine.submit call) 2
 EXPORTED = ("two-engines-broadcast", "two-servers-behind-a-router")  # compared by the test after the loop's
 
 
@@ -123,18 +133,17 @@ def runs(inputs):
 
 
 class ServerKiller(threading.Thread):
-    """Once the run has logged `after_rollouts` rollouts, stops (SIGSTOP) one of the run's `vllm serve` processes,
-    and SIGKILLs it a second after the run's dispatcher is seen generating (Ray titles its process
-    `ray::Dispatcher.generate`), so that the requests the router sent it are in flight when it dies; then watches
-    the run's router until the killed server has left its worker list and a new one has joined. The run's processes
-    descend from this test's process."""
+    """When the run's dispatcher pauses in rollout 1's submit (`paused` appears), stops (SIGSTOP) one of the run's
+    `vllm serve` processes and lets the dispatcher go on, so that the requests the router sends that server are in
+    flight when, a second later, it is SIGKILLed; then watches the run's router until the killed server has left its
+    worker list and a new one has joined. The run's processes descend from this test's process."""
 
-    def __init__(self, after_rollouts: int, metrics: Path):
+    def __init__(self, paused: Path):
         super().__init__(daemon=True)
-        self.after_rollouts, self.metrics = after_rollouts, metrics
+        self.paused = paused
         self.stop = threading.Event()
         self.killed_at = self.removed_at = self.joined_at = None
-        self.killed_url, self.group, self.error, self.in_rollout = None, [], None, None
+        self.killed_url, self.group, self.error = None, [], None
 
     def run(self) -> None:
         try:
@@ -142,12 +151,9 @@ class ServerKiller(threading.Thread):
         except Exception as error:  # shown by the test's assertion
             self.error = repr(error)
 
-    def _logged(self) -> int:
-        return len(self.metrics.read_text().splitlines()) if self.metrics.exists() else 0
-
     def _kill_and_watch(self) -> None:
-        while not self.stop.is_set() and self._logged() < self.after_rollouts:
-            time.sleep(0.05)
+        while not self.stop.is_set() and not self.paused.exists():
+            time.sleep(0.01)
         servers = [p for p in _ours() if _unguarded(p, "vllm.entrypoints.openai.api_server")]
         router = next(p for p in _ours() if "vllm-router" in _cmdline(p))  # its guard (the router retitles itself)
         victim = servers[0]
@@ -155,17 +161,11 @@ class ServerKiller(threading.Thread):
         self.group = [p for p in psutil.process_iter() if _group(p) == victim.pid]  # the server and its engine core
         router_url = f"http://127.0.0.1:{_flag(router, '--port')}"
         before = set(httpx.get(router_url + "/list_workers").json()["urls"])
-        # Stopped before the next rollout's requests come (the run logs a rollout after its weight sync), so that
-        # those the router sends it are in flight when it dies.
         os.kill(victim.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 120
-        while not self.stop.is_set() and time.monotonic() < deadline and not any(
-                _cmdline(p).startswith("ray::Dispatcher.generate") for p in _ours()):
-            time.sleep(0.01)
+        self.paused.with_name(self.paused.name + ".resume").touch()
         time.sleep(1)
         os.kill(victim.pid, signal.SIGKILL)
         self.killed_at = time.time()
-        self.in_rollout = self._logged()  # the rollout under way: as many as were logged
         while not self.stop.is_set() and self.joined_at is None:
             with contextlib.suppress(httpx.HTTPError):
                 workers = set(httpx.get(router_url + "/list_workers", timeout=5).json()["urls"])
@@ -231,7 +231,7 @@ def test_server_engines_behind_the_router_train_the_weights_of_in_process_engine
     # run itself was killed in rollout 2 and resumed (its rollout 2 comes from the resumed process)
     killer = runs.killer
     assert killer.killed_at is not None, f"no server was killed: {killer.error}"
-    assert killer.in_rollout == SERVER_KILLED_IN_ROLLOUT
+    assert "died (ServerDied)" in (inputs[2] / EXPORTED[1] / "log.txt").read_text()  # seen exiting while generating
     assert killer.removed_at is not None and killer.joined_at is not None, "the router's workers did not change"
     assert len(killer.group) >= 2  # the server and vLLM's engine core
     assert not [p for p in killer.group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
