@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.killed_runs import run_train, write_config
+from tests.support.killed_runs import REPO, run_train, write_config
 from vime_engine.checkpoint.store import DRIVER_STATE, find_latest
 from vime_engine.checkpoint.run_history import HISTORY_FILE
 from vime_engine.runtime.run_state import BUFFER_FILE
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 4
 
 

@@ -1,5 +1,6 @@
-"""A tiny retrieval server for the search agent (search_generate.py): the standard library's HTTP server over a
-small in-memory corpus, ranking passages by the words they share with the query.
+"""A tiny retrieval server for the search agents (search_generate.py, openai_search_agent.py): the standard
+library's HTTP server over a small in-memory corpus, ranking passages by the words they share with the query; and
+what its clients share (where it is, the query tag, how passages read).
 
 It stands in for a real retriever (vime's search-r1 example runs a dense index behind the same kind of endpoint)
 so the agent can be tried and tested on one machine with nothing to download: `POST /retrieve` with
@@ -12,16 +13,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from vime_engine.rewards.server import send_json
 
 ROUTE = "/retrieve"
 DEFAULT_TOPK = 3
+SEARCH_URL_KEY = "search_url"  # a sample's metadata key naming the server
+SEARCH_URL_ENV = "VIMEFLOW_SEARCH_URL"  # else this environment variable
+SEARCH_TAG = re.compile(r"<search>(.*?)</search>", re.DOTALL)  # how the model may steer the query
 _WORD = re.compile(r"[a-z0-9]+")
 # Words too common to say what a passage is about; they would rank every passage alike.
 _STOPWORDS = frozenset("a an and are as at be by for from has he in is it its of on or she that the to was were "
@@ -89,6 +95,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         """Quiet: a rollout queries it once per search."""
+
+
+def search_url(sample: Any) -> str:
+    """The retrieval server an agent's sample uses: `metadata[SEARCH_URL_KEY]`, else SEARCH_URL_ENV."""
+    url = sample.metadata.get(SEARCH_URL_KEY) or os.environ.get(SEARCH_URL_ENV)
+    if not url:
+        raise ValueError(f"no retrieval server for the search agent: set the sample's metadata[{SEARCH_URL_KEY!r}] or "
+                         f"{SEARCH_URL_ENV} (python -m vime_engine.agents.retrieval_server serves a small corpus)")
+    return url
+
+
+def information(passages: list[dict[str, Any]]) -> str:
+    """The passages as the model reads them after its search."""
+    docs = "\n".join(f"Doc {i}(Title: {p['title']}) {p['text']}" for i, p in enumerate(passages, 1))
+    return f"\n\n<information>{docs or 'No passage matches the query.'}</information>\n\n"
 
 
 def start_retrieval_server(corpus: Sequence[Passage] = CORPUS, host: str = "127.0.0.1",

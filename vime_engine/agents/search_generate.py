@@ -12,34 +12,14 @@ passages would fill the context, ABORTED when the round was cut off.
 
 from __future__ import annotations
 
-import os
-import re
 from typing import Any
 
 from vime.utils.http_utils import post
 from vime.utils.types import Sample
 
+from vime_engine.agents.retrieval_server import DEFAULT_TOPK, SEARCH_TAG, information, search_url
 from vime_engine.agents.vime_turns import append_observation, finish, model_turn
 from vime_engine.rollout.custom_generate import TOOL_CALLS
-
-SEARCH_URL_KEY = "search_url"
-SEARCH_URL_ENV = "VIMEFLOW_SEARCH_URL"
-TOPK = 3
-_SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
-
-
-def search_url(sample: Sample) -> str:
-    url = sample.metadata.get(SEARCH_URL_KEY) or os.environ.get(SEARCH_URL_ENV)
-    if not url:
-        raise ValueError(f"search_generate: no retrieval server: set the sample's metadata[{SEARCH_URL_KEY!r}] or "
-                         f"{SEARCH_URL_ENV} (python -m vime_engine.agents.retrieval_server serves a small corpus)")
-    return url
-
-
-def information(passages: list[dict[str, Any]]) -> str:
-    """The passages as the model reads them after its search."""
-    docs = "\n".join(f"Doc {i}(Title: {p['title']}) {p['text']}" for i, p in enumerate(passages, 1))
-    return f"\n\n<information>{docs or 'No passage matches the query.'}</information>\n\n"
 
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
@@ -49,9 +29,9 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     reason, turn = await model_turn(args, sample, sampling_params)
     if reason == "abort":
         return finish(sample, reason)
-    asked = _SEARCH.search(turn)
+    asked = SEARCH_TAG.search(turn)
     query = asked.group(1).strip() if asked else sample.metadata.get("question") or sample.prompt
-    answer = await post(search_url(sample), {"query": query, "topk": TOPK})
+    answer = await post(search_url(sample), {"query": query, "topk": DEFAULT_TOPK})
     if not append_observation(args, sample, information(answer["passages"])):
         return finish(sample, "length")
     sample.metadata[TOOL_CALLS] = 1

@@ -190,8 +190,6 @@ def _check_server_mode(cfg: EngineConfig) -> None:
     elif p.weight_sync == "broadcast":
         why = ("the servers load weights through their control endpoints (--weight-sync object_store); the "
                "collective broadcast into a server is not built yet")
-    elif r.use_fault_tolerance:
-        why = "restarting a dead server is not built yet: drop --use-fault-tolerance, or use --rollout-mode inprocess"
     elif r.partial_rollout or r.over_sampling_batch_size is not None or r.dynamic_sampling_filter_path:
         # A streamed round keeps the groups that finish first; over HTTP which those are depends on timing.
         why = ("a streamed round (--partial-rollout, --over-sampling-batch-size, --dynamic-sampling-filter-path) "

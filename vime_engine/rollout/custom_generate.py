@@ -94,6 +94,15 @@ class EngineClient:
         self._calls = 0
         self.changed: asyncio.Event | None = None
 
+    @property
+    def weight_version(self) -> int:
+        """The weights the engine holds (in server mode: the servers behind the router, all synced to it)."""
+        return self.engine.weight_version
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any]) -> GenerateOutput:
         """Generate one continuation of `input_ids`: up to `max_new_tokens`, fewer if the context cap is near."""
         unknown = sorted(set(sampling_params) - set(SAMPLING_KEYS))
@@ -105,10 +114,10 @@ class EngineClient:
             raise ValueError(f"args.rollout_engine.generate: temperature {temperature} differs from "
                              f"--rollout-temperature {self.temperature}, at which the trainer computes log-probs")
         budget = int(sampling_params["max_new_tokens"])
-        limits = [self.engine.max_model_len] + ([self.max_context_len] if self.max_context_len else [])
+        limits = [self.max_model_len] + ([self.max_context_len] if self.max_context_len else [])
         budget = min(budget, *(limit - len(input_ids) for limit in limits))
         if self.aborting or budget <= 0:
-            return GenerateOutput([], [], "abort" if self.aborting else "length", self.engine.weight_version)
+            return GenerateOutput([], [], "abort" if self.aborting else "length", self.weight_version)
         key = (*map(int, _calling_sample.get().split("/")), self._calls)
         self._calls += 1
         seed = request_seed(int(sampling_params["sampling_seed"]), len(input_ids))
@@ -176,7 +185,7 @@ class CustomRound:
     def _resolve(self, request_id: str, tokens: list[int], log_probs: list[float], finish: str) -> None:
         key = tuple(map(int, request_id.split("/")))
         _, _, future = self.client.waiting.pop(key)
-        future.set_result(GenerateOutput(list(tokens), list(log_probs), finish, self.client.engine.weight_version))
+        future.set_result(GenerateOutput(list(tokens), list(log_probs), finish, self.client.weight_version))
 
     def _settle(self) -> None:
         """Run the tasks until each has returned or waits on an engine request; then submit those, in key order."""

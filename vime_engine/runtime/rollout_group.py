@@ -38,7 +38,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -359,19 +359,30 @@ class RolloutGroup:
 
     def _kill_silent(self, engines: set[int]) -> None:
         """Kill the engines that do not answer a health check in time (their calls then fail as dead)."""
+        for engine in self._unhealthy(engines):
+            ray.kill(self.engines[engine], no_restart=True)
+
+    def _unhealthy(self, holders: Iterable[int]) -> dict[int, BaseException]:
+        """The weight holders among `holders`, past their first wait, that do not answer a health check within the
+        timeout or answer it with an error, each with what it answered."""
         policy, now = self.fault_tolerance, time.monotonic()
-        checked = [e for e in sorted(engines) if now - self._started[e] >= policy.first_wait]
-        pings = {self.engines[e].health.remote(): e for e in checked}
+        checked = [e for e in sorted(holders) if now - self._started[e] >= policy.first_wait]
+        pings = {self.weight_holders[e].health.remote(): e for e in checked}
         answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=policy.timeout)
+        failed: dict[int, BaseException] = {}
         for ref, engine in pings.items():
-            if ref not in answered:
-                log.warning("rollout engine %d did not answer a health check in %.0f s: killing it", engine,
-                            policy.timeout)
-                ray.kill(self.engines[engine], no_restart=True)
+            try:
+                if ref not in answered:
+                    raise TimeoutError(f"no answer to a health check in {policy.timeout:.0f} s")
+                ray.get(ref)
+            except Exception as error:  # whatever it answered, the engine is not healthy
+                log.warning("rollout engine %d failed a health check: %s", engine, error)
+                failed[engine] = error
+        return failed
 
     def replace(self, engine: int, error: BaseException) -> None:
-        """A new actor for a dead engine, in its bundle, loaded with the current weights; a new one that dies
-        before it has loaded (Ray's memory monitor, say) is one more death."""
+        """A new actor for a dead engine (weight holder `engine`), in its bundle, loaded with the current weights; a
+        new one that dies before it has loaded (Ray's memory monitor, say) is one more death."""
         policy, seen = self.fault_tolerance, time.monotonic()
         while True:
             if self.restarts >= policy.max_restarts:
@@ -388,13 +399,11 @@ class RolloutGroup:
                 ) from error
             log.warning("rollout engine %d died (%s): starting a new one in its bundle", engine,
                         type(error).__name__)
-            with contextlib.suppress(Exception):
-                ray.kill(self.engines[engine], no_restart=True)
-            self.engines[engine] = self._start_engine(engine)  # in place: the weight sync holds this list
-            self._outstanding[engine] = {}
+            self._retire(engine)
+            self.weight_holders[engine] = self._start_engine(engine)  # in place: the weight sync holds this list
             self.restarts += 1
             try:
-                self._resync(self.engines[engine])
+                self._resync(self.weight_holders[engine])
                 break
             except (RayActorError, OutOfMemoryError) as died:
                 if isinstance(died, RayActorError) and died.actor_init_failed:
@@ -405,9 +414,15 @@ class RolloutGroup:
         log.warning("rollout engine %d restarted and loaded the current weights in %.1f s", engine,
                     self.recovery_seconds[-1])
 
+    def _retire(self, engine: int) -> None:
+        """End a dead engine's actor, if anything of it is left, and forget the calls it had."""
+        with contextlib.suppress(Exception):
+            ray.kill(self.engines[engine], no_restart=True)
+        self._outstanding[engine] = {}
+
     def replace_dead(self) -> None:
         """Replace every engine whose process is gone (after a call to all of them failed)."""
-        for engine, actor in enumerate(self.engines):
+        for engine, actor in enumerate(self.weight_holders):
             try:
                 ray.get(actor.health.remote(), timeout=self.fault_tolerance.timeout)
             except RayActorError as error:

@@ -11,6 +11,10 @@ of the raylet looks like to the driver. A process without such a descendant is l
 With VIMEFLOW_TEST_FAULT_VICTIM=node (a Ray driver on a multi-node cluster) the process prints
 "VIMEFLOW_TEST_FAULT: waiting for a node to leave", waits until one node of its cluster is dead (the test kills
 it on seeing the line) and then makes the call. It fires once per marker file, so a retried run passes.
+
+With VIMEFLOW_TEST_FAULT_VICTIM=pause the process writes the marker and waits (up to 120 s) until the file
+MARKER.resume exists, then makes the call: the test acts on the run (say, on a server the call is about to use)
+at a known point and lets it go on.
 """
 
 import os
@@ -44,9 +48,21 @@ if _SPEC:
         while alive() == before and time.monotonic() < deadline:
             time.sleep(0.2)
 
+    def _pause():
+        import time
+
+        marker = os.environ["VIMEFLOW_TEST_FAULT_MARKER"]
+        with open(marker, "w") as f:
+            f.write(f"{_SPEC} paused pid={os.getpid()}\n")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(marker + ".resume") and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def _die():
         if os.environ.get("VIMEFLOW_TEST_FAULT_VICTIM") == "node":
             return _wait_for_a_lost_node()
+        if os.environ.get("VIMEFLOW_TEST_FAULT_VICTIM") == "pause":
+            return _pause()
         victims = None  # this process
         if os.environ.get("VIMEFLOW_TEST_FAULT_VICTIM") == "raylet":
             import psutil

@@ -9,10 +9,19 @@ prompt) on one server, where their prompt's blocks are cached.
 Requests are in flight on a pool of threads, one blocking HTTP call each; `step()` waits until at least one more
 has come back. Completions come back in the order the servers finish them, which depends on timing: a caller
 that needs a fixed order sorts them (a whole round is returned by group index).
+
+With `--use-fault-tolerance` a request that fails for want of a server (the router cannot connect, or answers 5xx:
+its server died and it found no other, or none is registered while the only one restarts) is posted again, the
+same body with the same seed, until it is answered or `--vllm-router-request-timeout-secs` has passed since its
+first post: the rollout group meanwhile replaces the dead server (vime_engine/runtime/server_group.py). The router
+re-sends a request whose server died to another one itself where it can; either way the answer is the one the
+dead server would have given.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +32,10 @@ from vime_engine.plugins import generate_api
 from vime_engine.rollout.vllm_engine import Completion, Request, SamplingSettings
 from vime_engine.sample import SampleStatus
 
+log = logging.getLogger(__name__)
 # Requests in flight at once (vime's --vllm-server-concurrency default); more wait in the pool's queue.
 MAX_IN_FLIGHT = 512
+RESEND_BACKOFF_S = (0.5, 5.0)  # the first wait before posting a failed request again, and the longest
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
@@ -54,8 +65,8 @@ def parse_completion(key: str, body: dict[str, Any]) -> tuple[Completion, str | 
 class RouterEngine:
     """Submit requests, `step()` until they have come back, or `abort()` them: VLLMEngine's calls, over HTTP."""
 
-    def __init__(self, address: RouterAddress, max_model_len: int, timeout_s: float):
-        self.address, self.max_model_len = address, max_model_len
+    def __init__(self, address: RouterAddress, max_model_len: int, timeout_s: float, resend: bool = False):
+        self.address, self.max_model_len, self.timeout_s, self.resend = address, max_model_len, timeout_s, resend
         self.weight_version = 0  # the version the servers hold, set by the rollout group after each sync
         self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=MAX_IN_FLIGHT))
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="router-request")
@@ -73,8 +84,25 @@ class RouterEngine:
 
     def _post(self, request: Request, sampling: SamplingSettings) -> Completion:
         group = request.key.split("/")[0]
-        response = self._http.post(self.address.url + generate_api.PATH,
-                                   json=generate_payload(request, sampling), headers={"x-session-id": group})
+        body, deadline = generate_payload(request, sampling), time.monotonic() + self.timeout_s
+        backoff = RESEND_BACKOFF_S[0]
+        while True:
+            try:
+                response = self._http.post(self.address.url + generate_api.PATH, json=body,
+                                           headers={"x-session-id": group})
+                if response.status_code < 500 or not self.resend:
+                    break
+                failure = f"HTTP {response.status_code}: {response.text[:200]}"
+            except httpx.TransportError as error:
+                if not self.resend:
+                    raise
+                failure = f"{type(error).__name__}: {error}"
+            if time.monotonic() + backoff > deadline:
+                raise RuntimeError(f"request {request.key} found no server for {self.timeout_s:.0f} s "
+                                   f"(--vllm-router-request-timeout-secs); the last answer: {failure}")
+            log.warning("request %s failed (%s): posting it again in %.1f s", request.key, failure, backoff)
+            time.sleep(backoff)
+            backoff = min(2 * backoff, RESEND_BACKOFF_S[1])
         if response.status_code != 200:
             raise RuntimeError(f"the router answered request {request.key} with HTTP {response.status_code}: "
                                f"{response.text[:500]}")

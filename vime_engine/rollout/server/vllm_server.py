@@ -6,14 +6,14 @@ the server mode: `--enable-scale-out` opens `/inference/v1/generate` (token ids 
 `--worker-extension-cls` adds the weight reload the sync calls through `/collective_rpc`
 (vime_engine/rollout/server/weight_extension.py), and VLLM_SERVER_DEV_MODE=1 opens that endpoint.
 
-The server is started in a session of its own and dies with the actor (the kernel's parent-death signal), so a
-killed actor or a stopped cluster leaves no server running.
+Every server runs under a guard (vime_engine/rollout/server/server_guard.py) that ends the server's whole process
+group when the server exits or the actor dies: a killed server, a killed actor or a stopped cluster leaves nothing
+running, vLLM's engine core included.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import httpx
 
+from vime_engine.rollout.server.server_guard import GRACE_S
 from vime_engine.rollout.vllm_engine import EngineSettings, vllm_engine_args
 
 WEIGHT_EXTENSION = "vime_engine.rollout.server.weight_extension.WeightReloadExtension"
 START_TIMEOUT_S = 600.0
-_PR_SET_PDEATHSIG = 1
 
 
 def server_argv(settings: EngineSettings, device_kind: str, host: str, port: int) -> list[str]:
@@ -55,13 +55,9 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 class ServerProcess:
-    """A server (vLLM's or the router) started from `argv`, waited for on `health_path`; its output in a log file
-    whose tail an error shows."""
+    """A server (vLLM's or the router) started from `argv` under its guard, waited for on `health_path`; its output
+    in a log file whose tail an error shows. `process` is the guard's, which exits with the server's code."""
 
     def __init__(self, name: str, argv: list[str], url: str, health_path: str, env: dict[str, str] | None = None,
                  timeout_s: float = START_TIMEOUT_S):
@@ -69,8 +65,8 @@ class ServerProcess:
         self.log_path = Path(tempfile.mkstemp(prefix=f"vimeflow-{name}-", suffix=".log")[1])
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                start_new_session=True, preexec_fn=_die_with_parent,
+                [sys.executable, "-m", "vime_engine.rollout.server.server_guard", str(os.getpid()), *argv],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True,
             )
         self._wait_healthy(health_path, timeout_s)
 
@@ -92,13 +88,11 @@ class ServerProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        """End the server and every process it started (its session)."""
+        """End the server and every process it started (its guard's SIGTERM; a SIGKILL past the guard's grace)."""
         if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=10)
+                self.process.wait(timeout=GRACE_S + 5)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.kill()  # the server dies with its guard (its parent-death signal)
                 self.process.wait()
