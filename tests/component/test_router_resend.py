@@ -86,3 +86,12 @@ def test_without_fault_tolerance_a_request_that_finds_no_server_fails_at_once(ro
             engine.step()
     finally:
         engine.close()
+
+
+def test_a_second_router_starts_on_the_same_machine(router):
+    # vllm-router's metrics port is one fixed number by default; each router the runs start gets its own.
+    second = Router.start_or_join(RouterOptions(), "127.0.0.1")
+    try:
+        assert second.port != router.port and second.workers() == []
+    finally:
+        second.stop()

@@ -54,10 +54,10 @@ def test_an_accelerator_server_keeps_the_devices_choices_and_the_users():
 
 
 def test_the_router_starts_with_vimes_policy_and_timeout():
-    argv = router_argv(RouterOptions(policy="round_robin", request_timeout_secs=60), "127.0.0.1", 9000)
+    argv = router_argv(RouterOptions(policy="round_robin", request_timeout_secs=60), "127.0.0.1", 9000, 9001)
     assert argv[0].endswith("vllm-router")
     assert argv[1:] == ["--host", "127.0.0.1", "--port", "9000", "--policy", "round_robin",
-                        "--request-timeout-secs", "60"]
+                        "--request-timeout-secs", "60", "--prometheus-host", "127.0.0.1", "--prometheus-port", "9001"]
 
 
 def test_a_request_carries_its_seed_and_a_response_becomes_a_completion():

@@ -28,11 +28,15 @@ class RouterOptions:
     request_timeout_secs: int = 14400
 
 
-def router_argv(options: RouterOptions, host: str, port: int) -> list[str]:
-    """The command line of a router on host:port with `options`, no servers yet (they register themselves)."""
+def router_argv(options: RouterOptions, host: str, port: int, metrics_port: int) -> list[str]:
+    """The command line of a router on host:port with `options`, no servers yet (they register themselves).
+
+    Its Prometheus metrics go to `metrics_port`: the router's default, 29000 on every host, would make a second
+    router on the machine (another run, or a user's) die at start with "Address already in use"."""
     executable = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
     return [executable, "--host", host, "--port", str(port), "--policy", options.policy,
-            "--request-timeout-secs", str(options.request_timeout_secs)]
+            "--request-timeout-secs", str(options.request_timeout_secs),
+            "--prometheus-host", host, "--prometheus-port", str(metrics_port)]
 
 
 class Router:
@@ -57,8 +61,8 @@ class Router:
                                    f"answers {router.url}/health ({error}); start it first or leave both flags "
                                    "out") from error
             return router
-        port = free_port(host)
-        return cls(host, port, ServerProcess("vllm-router", router_argv(options, host, port),
+        port, metrics_port = free_port(host), free_port(host)
+        return cls(host, port, ServerProcess("vllm-router", router_argv(options, host, port, metrics_port),
                                              f"http://{host}:{port}", "/health", timeout_s=60))
 
     def add(self, server_url: str) -> None:
