@@ -93,7 +93,7 @@ def test_kills_during_generation_optimizer_step_and_checkpoint_write_resume_bit_
     assert "history" not in json.loads((find_latest(tmp_path / "ckpt").path / DRIVER_STATE).read_text())
 
 
-def test_two_chunks_equal_onerun_train(tmp_path, base_config, reference):
+def test_two_chunks_equal_one_run(tmp_path, base_config, reference):
     _, ref_weights, ref_history = reference
     config = write_config(tmp_path, base_config)
     for start in (0, 2):
