@@ -5,7 +5,6 @@ tests/component/conftest.py."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,79 +20,40 @@ import pytest
 from tests.support.fault_proxy import FaultProxy
 from tests.support.hf_hub_server import HfHubServer
 
+REPO = Path(__file__).resolve().parents[2]
+
 # Values only tests use; the credential tests assert they never show up in errors or logs.
 TEST_ACCESS_KEY = "AKIAVIMEFLOWTEST0001"
 TEST_SECRET_KEY = "vimeflow-test-secret-Zq8r7T2x9"
 
 
-class ObsForbidOverwrite:
-    """OBS's create-only PUT on the S3 server moto is: a PUT with `x-obs-forbid-overwrite: true` is served as S3's
-    `If-None-Match: *` and moto's refusal (412 PreconditionFailed) answered as OBS answers (409 ObjectAlreadyExists).
-    moto speaks S3 only; OBS takes its own header instead of S3's."""
-
-    def __init__(self, app):
-        self.app = app
-
-    def __call__(self, environ, start_response):
-        if environ.get("REQUEST_METHOD") != "PUT" or environ.get("HTTP_X_OBS_FORBID_OVERWRITE", "").lower() != "true":
-            return self.app(environ, start_response)
-        environ["HTTP_IF_NONE_MATCH"] = "*"
-        answer: dict = {}
-
-        def keep(status, headers, exc_info=None):
-            answer.update(status=status, headers=headers)
-            return lambda data: None
-
-        body = b"".join(self.app(environ, keep))
-        if answer["status"].startswith("412"):
-            body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ObjectAlreadyExists</Code>'
-                    b"<Message>The object already exists.</Message></Error>")
-            start_response("409 Conflict", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
-            return [body]
-        start_response(answer["status"], answer["headers"])
-        return [body]
-
-
-def _s3_only_moto_server():
-    """A threaded moto server that serves S3 to every request, as `moto_server s3` does.
-
-    moto picks a request's service from the SigV4 credential scope in its Authorization header and reads an
-    OBS or SigV2 header ("OBS ak:base64-signature") the same way, so a signature with exactly four '/' in it
-    (about one request in 1,400) was sent to a made-up service and answered 500. A CI run failed on it."""
-    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
-    from moto.moto_server.werkzeug_app import (
-        DEFAULT_SERVICE_REGION,
-        DomainDispatcherApplication,
-        MotoRequestHandler,
-        create_backend_app,
-    )
-    from werkzeug.serving import make_server
-
-    service, region = DEFAULT_SERVICE_REGION
-    assert service == "s3"
-
-    class S3Dispatcher(DomainDispatcherApplication):
-        def infer_service_region_host(self, environ, path):
-            return f"{service}.{region}.amazonaws.com"
-
-    class S3OnlyServer(ThreadedMotoServer):
-        def _server_entry(self) -> None:  # ThreadedMotoServer's own, with the dispatcher above
-            app = ObsForbidOverwrite(S3Dispatcher(create_backend_app))
-            self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
-            self._server_ready_event.set()
-            self._server.serve_forever()
-
-    return S3OnlyServer(ip_address="127.0.0.1", port=0, verbose=False)
-
-
 @pytest.fixture(scope="session")
 def moto_endpoint():
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = _s3_only_moto_server()
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    """The S3 server of tests/support/moto_s3_server.py, in a process of its own: moto's server imports Flask, whose
+    context-local proxies make vLLM's kernel registration fail in any process that then builds an engine."""
+    from tests.support.ports import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = _start_server([sys.executable, "-m", "tests.support.moto_s3_server", url.rsplit(":", 1)[1]], url,
+                         {"PYTHONPATH": str(REPO)})
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _start_server(argv: list[str], url: str, env: dict[str, str]) -> subprocess.Popen:
+    """Start a moto server and wait until it answers."""
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            httpx.get(f"{url}/moto-api/", timeout=2)
+            return proc
+        except httpx.TransportError:
+            assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
+            time.sleep(0.2)
 
 
 @dataclass(frozen=True)
@@ -111,18 +72,9 @@ def moto_with_iam() -> Iterator[CheckedS3]:
     from tests.support.ports import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", url.rsplit(":", 1)[1]],
-                            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _start_server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", url.rsplit(":", 1)[1]], url,
+                         {"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"{url}/moto-api/", timeout=2)
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
-                time.sleep(0.2)
         import boto3
 
         iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="unsigned",
