@@ -170,11 +170,12 @@ def test_rollout_routing_replay_sends_every_token_of_every_forward_to_the_engine
     assert metrics["train/routing_replay_match"] == pytest.approx(expected["train/routing_replay_match"], abs=0.01)
 
 
-def test_routing_replay_records_the_old_policy_pass_and_replays_it_in_each_optimizer_step(tiny_qwen3_moe):
+def test_routing_replay_records_the_old_policy_pass_and_replays_it_in_each_step_and_recomputation(tiny_qwen3_moe):
     trainer = MegatronTrainBackend(tiny_config(tiny_qwen3_moe, use_routing_replay=True, lr=1e-2))
     samples = fixed_rollout(trainer.vocab_size)
     with _routing_by_forward(trainer) as calls:
         metrics = trainer.train_rollout(samples)
+    weights = _weights(trainer)
     with _routing_by_forward(trainer) as free:
         trainer.log_probs(samples)  # routes freely, with the routers two steps on
     old, trained = _routes_of(calls, samples, grad=False), _routes_of(calls, samples, grad=True)
@@ -185,6 +186,11 @@ def test_routing_replay_records_the_old_policy_pass_and_replays_it_in_each_optim
     assert _agreement(trained, records) == 1.0  # the second step's samples too, after the first step moved them
     assert 0 < _agreement(_routes_of(free, samples, grad=False), records) < 1
     assert 0 < metrics["train/routing_replay_match"] < 1
+    # Recomputed in its backward, a micro-batch's MoE layers replay its routing again: the same step, bit for bit.
+    recompute = {"recompute-granularity": "full", "recompute-method": "uniform", "recompute-num-layers": 1}
+    recomputing = MegatronTrainBackend(tiny_config(tiny_qwen3_moe, use_routing_replay=True, lr=1e-2, **recompute))
+    assert recomputing.train_rollout(samples) == metrics
+    assert all(torch.equal(tensor, weights[name]) for name, tensor in _weights(recomputing).items())
 
 
 def test_resume_from_dist_checkpoint_is_exact(tiny_qwen3, tmp_path):
