@@ -262,9 +262,15 @@ def _check_routing_replay(cfg: EngineConfig, model_config: dict[str, Any], confi
     if not HFView(model_config).num_experts:
         raise PreflightError(f"{flag}: the model has no experts to route (no num_experts in {config_file}); drop "
                              "the flag or give a mixture-of-experts model")
-    if cfg.train.train_backend == "megatron":
-        raise PreflightError(f"{flag}: Megatron's router replay (moe_enable_routing_replay) is not wired to the "
-                             "routing record yet; use --train-backend torch or fsdp")
+    if cfg.train.train_backend == "megatron":  # Megatron's own router replay, in every router its mapping builds
+        from vime_engine.train.megatron_layout import MegatronSetupError
+        from vime_engine.train.megatron_routing_replay import check_replay_layout
+
+        try:
+            check_replay_layout(cfg.megatron, flag)
+        except MegatronSetupError as exc:
+            raise PreflightError(str(exc)) from None
+        return
     model_type = model_config.get("model_type")
     if model_type not in REPLAYABLE_MODEL_TYPES:
         raise PreflightError(f"{flag}: the torch backends replay the router of {', '.join(REPLAYABLE_MODEL_TYPES)} "

@@ -2,7 +2,10 @@
 TP=2, PP=2 (one layer a stage; the tied embedding shared by the first and last stage) and DP=2 each reproducing
 one rank, and the distributed checkpoint saved by the group resuming in it. The tiny MoE likewise at EP=2 (each
 rank four of the eight experts, tokens dealt by gloo's all_to_all) and at TP=2 with sequence parallelism, whose
-experts split over both ranks (ETP=2); EP=2's torch_dist checkpoint of the experts resumes bit-identical.
+experts split over both ranks (ETP=2); EP=2's torch_dist checkpoint of the experts resumes bit-identical. The MoE
+runs replay their routing (--use-routing-replay, through Megatron's router replay): recorded in the old-policy pass
+(under sequence parallelism each rank routes and records half of each micro-batch's sequence, gathered) and replayed
+in the rollout's second optimizer step, as one rank does.
 """
 
 from __future__ import annotations
@@ -77,24 +80,28 @@ def test_group_checkpoint_resumes_in_a_new_group(tiny_qwen3, cluster, tmp_path):
         resumed.shutdown()
 
 
+REPLAY = {"use-routing-replay": True}
+
+
 @pytest.fixture(scope="module")
 def one_rank_moe(tiny_qwen3_moe, cluster):
-    metrics, weights, group = _trained(tiny_qwen3_moe)
+    metrics, weights, group = _trained(tiny_qwen3_moe, **REPLAY)
     group.shutdown()
+    assert 0 < metrics["train/routing_replay_match"] < 1  # the second step replayed routing its routers left
     return metrics, weights
 
 
-EP2 = {"expert-model-parallel-size": 2, "actor-num-gpus-per-node": 2}
+EP2 = {"expert-model-parallel-size": 2, "actor-num-gpus-per-node": 2, **REPLAY}
 
 
 @pytest.mark.parametrize("layout", [
-    EP2, {"tensor-model-parallel-size": 2, "sequence-parallel": True, "actor-num-gpus-per-node": 2},
+    EP2, {"tensor-model-parallel-size": 2, "sequence-parallel": True, "actor-num-gpus-per-node": 2, **REPLAY},
 ], ids=["ep2", "tp2-sp-etp2"])
 def test_moe_group_of_two_expert_parallel_ranks_trains_like_one(tiny_qwen3_moe, one_rank_moe, layout, tmp_path):
     metrics, weights, group = _trained(tiny_qwen3_moe, **layout)
     try:
         ref_metrics, ref_weights = one_rank_moe
-        for key in ("train/pg_loss", "train/ppo_kl", "train/entropy_loss"):
+        for key in ("train/pg_loss", "train/ppo_kl", "train/entropy_loss", "train/routing_replay_match"):
             assert metrics[key] == pytest.approx(ref_metrics[key], abs=1e-5), key
         assert set(weights) == set(ref_weights)  # every expert, gathered into its HF name
         assert max((weights[n] - ref_weights[n]).abs().max().item() for n in weights) < 5e-5

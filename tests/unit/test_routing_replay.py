@@ -18,6 +18,8 @@ from vime_engine.config import ConfigError, build_config
 from vime_engine.models.builtin import materialize_builtin_model
 from vime_engine.preflight import PreflightError, check_inputs, check_on_device
 from vime_engine.sample import Sample
+from vime_engine.train.megatron_layout import ParallelLayout
+from vime_engine.train.megatron_routing_replay import micro_batch_routes, records_of_micro_batch, sequence_share
 from vime_engine.train.rollout_batch import old_log_probs_from_training_forward
 from vime_engine.train.routing_replay import RoutingPass, replayed_gate_weights, rollout_record
 from vime_engine.train.torch_backend import TorchTrainBackend
@@ -215,6 +217,30 @@ def test_rollout_routing_replay_sends_every_token_of_every_policy_forward_to_the
     assert 0 < metrics["train/routing_replay_match"] < 1
 
 
+def test_megatrons_replay_targets_are_the_records_in_its_sequence_major_token_order():
+    # Megatron routes a micro-batch's [sequence, rows] tokens flattened: position s of row b is token s·rows + b; a
+    # rank under sequence parallelism routes its slice of the sequence; the rest of a row replays experts 0..k-1.
+    generator = torch.Generator().manual_seed(0)
+    lengths = [5, 3, 7]
+    records = [torch.randint(0, 8, (n - 1, 3, 2), generator=generator) for n in lengths]
+    targets, covered = micro_batch_routes(records, lengths, 8, [0, 2], 2)
+    assert targets.shape == (2, 8 * 3, 2) and covered.shape == (8 * 3,)
+    for row, (record, n) in enumerate(zip(records, lengths)):
+        for s in range(8):
+            token = s * 3 + row
+            assert covered[token] == (s < n - 1)
+            expected = record[s][[0, 2]] if s < n - 1 else torch.tensor([[0, 1], [0, 1]])
+            assert torch.equal(targets[:, token], expected)
+    back = records_of_micro_batch(targets, lengths, 3, [0, 2])
+    assert all(torch.equal(b[:, [0, 2]], r[:, [0, 2]]) and not b[:, 1].any() for b, r in zip(back, records))
+    layout = ParallelLayout(tensor=2, sequence_parallel=True)
+    shares = [micro_batch_routes(records, lengths, 8, [0, 2], 2, sequence_share(8, layout, rank)) for rank in (0, 1)]
+    assert torch.equal(torch.cat([t for t, _ in shares], dim=1), targets)
+    assert torch.equal(torch.cat([c for _, c in shares]), covered)
+    with pytest.raises(ValueError, match="a routing record of 4 rows for a sample of 3 tokens"):
+        micro_batch_routes(records[:1], [3], 8, [0], 2)
+
+
 def test_a_rollout_record_that_breaks_the_contract_is_refused_naming_the_sample():
     sample = Sample(7, "", "", [1, 2, 3], [4, 5])
     with pytest.raises(ValueError, match="sample of group 7 has no rollout_routed_experts"):
@@ -228,15 +254,20 @@ def test_a_rollout_record_that_breaks_the_contract_is_refused_naming_the_sample(
 
 
 @pytest.mark.parametrize("flag", ["use-routing-replay", "use-rollout-routing-replay"])
-def test_replay_needs_a_replayable_mixture_of_experts_model_on_the_torch_backends(
+def test_replay_needs_a_replayable_mixture_of_experts_model_and_a_layout_megatron_replays(
         flag, moe_dir, tiny_model, tmp_path, arithmetic_data):
     named = f"--{flag}"
     with pytest.raises(PreflightError, match=f"{named}: the model has no experts"):
         check_inputs(build_config([], **{"hf-checkpoint": str(tiny_model), "prompt-data": str(arithmetic_data),
                                          "input-key": "question", "label-key": "answer", flag: True}))
     base = {"prompt-data": str(arithmetic_data), "input-key": "question", "label-key": "answer", flag: True}
-    with pytest.raises(PreflightError, match=f"{named}: Megatron's router replay"):
-        check_inputs(build_config([], **{"hf-checkpoint": str(moe_dir), "train-backend": "megatron", **base}))
+    megatron = {"hf-checkpoint": str(moe_dir), "train-backend": "megatron", **base}
+    check_inputs(build_config([], **megatron))  # Megatron's own router replay
+    with pytest.raises(PreflightError, match=f"{named} with --recompute-granularity full and "
+                                             "--pipeline-model-parallel-size 2: .*REPLAY_BACKWARD"):
+        check_inputs(build_config(["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                   "--recompute-num-layers", "1", "--pipeline-model-parallel-size", "2",
+                                   "--actor-num-gpus-per-node", "2"], **megatron))
     other = tmp_path / "mixtral-like"
     other.mkdir()
     for path in moe_dir.iterdir():

@@ -14,7 +14,8 @@ parallel, recompute); the ranks left over form the data-parallel group. Micro-ba
 forward-backward schedule, so pipeline parallelism works unchanged. Each optimizer step's samples are dealt
 round-robin over data-parallel ranks; the loss uses the step's global denominators and is scaled so that the
 summed gradient equals the torch backend's (DDP averages over data-parallel ranks, the schedule over
-micro-batches: both are undone).
+micro-batches: both are undone). Routing replay (`--use-routing-replay`, `--use-rollout-routing-replay`) runs through
+megatron-core's own router replay in the policy's MoE layers (vime_engine.train.megatron_routing_replay).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from vime_engine.train.rollout_batch import (
     global_batches,
     old_log_probs_from_training_forward,
 )
+from vime_engine.train.routing_replay import ROUTES_MATCHED, ROUTES_REPLAYED, match_share, rollout_record
 
 
 @dataclass
@@ -53,6 +55,8 @@ class _MicroBatch:
     rows: Tensor  # per response token: its row in input_ids
     columns: Tensor  # per response token: its position in input_ids
     padding: Tensor  # [rows, length]: True after each row's sample (its MoE router's loss leaves those out)
+    lengths: list[int]  # each row's sample's tokens
+    routes: tuple[Tensor, Tensor] | None = None  # routing replay's targets and covered tokens (MegatronRouterReplay)
 
 
 class MegatronTrainBackend:
@@ -85,8 +89,26 @@ class MegatronTrainBackend:
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=self.layout.grad_reduce_in_fp32, overlap_grad_reduce=False)
         self.initial_weights = initial_weights(cfg)
+        # Routing replay (vime_engine.train.megatron_routing_replay): "rollout" replays each sample's engine routing
+        # (R3), "old_policy" the rollout's old-policy forward's (R2); None routes freely. The policy alone replays.
+        a = cfg.algorithm
+        self.routing_replay = ("rollout" if a.use_rollout_routing_replay
+                               else "old_policy" if a.use_routing_replay else None)
+        if self.routing_replay is not None:
+            from vime_engine.train.megatron_routing_replay import check_replay_layout
+
+            flag = "--use-rollout-routing-replay" if self.routing_replay == "rollout" else "--use-routing-replay"
+            if self.arch.moe is None:
+                raise mm.MegatronSetupError(f"{flag}: the model has no experts to route")
+            check_replay_layout(cfg.megatron, flag)
         self.model = mm.build_model_from(self.initial_weights, self.arch, self.layout, self.dtype, self.accelerator,
-                                         ddp_config=ddp)
+                                         ddp_config=ddp, routing_replay=self.routing_replay is not None)
+        self.router_replay = None
+        if self.routing_replay is not None:
+            from vime_engine.train.megatron_routing_replay import MegatronRouterReplay
+
+            self.router_replay = MegatronRouterReplay([mm.unwrap(chunk) for chunk in self.model], self.layout,
+                                                      self.arch.num_layers, self.arch.moe.topk)
         self.ref_model = None
         if needs_reference(cfg):
             ref_dir = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
@@ -119,7 +141,9 @@ class MegatronTrainBackend:
     def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
         return plan_micro_batches(self.cfg.train, [s.total_length for s in samples], self.derived_max_tokens)
 
-    def _inputs(self, samples: list[Sample], indices: list[int]) -> _MicroBatch:
+    def _inputs(self, samples: list[Sample], indices: list[int], records: list[Tensor] | None = None) -> _MicroBatch:
+        """The micro-batch of `samples[indices]`; with `records` (one per sample of `samples`), the routing it
+        replays."""
         chosen = [samples[i] for i in indices]
         longest = max(s.total_length for s in chosen)
         if self.layout.sequence_parallel:  # the sequence splits evenly over the tensor-parallel ranks
@@ -130,8 +154,13 @@ class MegatronTrainBackend:
         rows = torch.repeat_interleave(torch.arange(len(chosen)), torch.tensor([s.response_length for s in chosen]))
         columns = torch.cat([torch.arange(len(s.prompt_tokens), s.total_length) for s in chosen])
         positions = torch.arange(longest).unsqueeze(0).expand(len(chosen), -1)
-        padding = positions >= torch.tensor([s.total_length for s in chosen]).unsqueeze(1)
-        return _MicroBatch(indices, *(x.to(self.device) for x in (input_ids, positions, rows, columns, padding)))
+        lengths = [s.total_length for s in chosen]
+        padding = positions >= torch.tensor(lengths).unsqueeze(1)
+        routes = None
+        if records is not None:
+            routes = self.router_replay.routes([records[i] for i in indices], lengths, longest, self.device)
+        return _MicroBatch(indices, *(x.to(self.device) for x in (input_ids, positions, rows, columns, padding)),
+                           lengths, routes)
 
     def _response_outputs(self, batch: _MicroBatch, output: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Flat response log-probs and, if asked, entropy of one micro-batch from the last stage's output."""
@@ -141,8 +170,12 @@ class MegatronTrainBackend:
         temperature = self.cfg.rollout.rollout_temperature
         return token_log_probs_and_entropy(response_logits, tokens, temperature, with_entropy)
 
-    def _schedule(self, model, batches: list[_MicroBatch], loss_func, forward_only: bool) -> list:
+    def _schedule(self, model, batches: list[_MicroBatch], loss_func, forward_only: bool, routing=None) -> list:
+        """Megatron's forward(-backward) schedule over `batches`; `routing` a replay's ReplayFeed (each batch's
+        routes set before its forward) or a RecordFeed (each batch's routing taken after it)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from vime_engine.train.megatron_routing_replay import RecordFeed, ReplayFeed
 
         data = iter(batches)
 
@@ -152,7 +185,11 @@ class MegatronTrainBackend:
             if self.router_losses is not None:
                 self.router_losses.clear()  # drops what a recomputed forward recorded in the last backward
                 moe["padding_mask"] = batch.padding
+            if isinstance(routing, ReplayFeed):
+                routing.replay_next(*batch.routes)
             output = chunk(input_ids=batch.input_ids, position_ids=batch.positions, attention_mask=None, **moe)
+            if isinstance(routing, RecordFeed):
+                routing.take(batch.indices, batch.lengths)
             return output, partial(loss_func, batch)
 
         return get_forward_backward_func()(
@@ -162,15 +199,17 @@ class MegatronTrainBackend:
         )
 
     @torch.no_grad()
-    def _log_probs(self, model, samples: list[Sample]) -> Tensor:
+    def _log_probs(self, model, samples: list[Sample], routing=None, records: list[Tensor] | None = None) -> Tensor:
+        """Flat response log-probs of `samples` under `model`; the policy's routers replay `records` (one per
+        sample) through `routing` (a ReplayFeed), or record into it (a RecordFeed)."""
         for chunk in model:
             chunk.eval()
-        batches = [self._inputs(samples, mb) for mb in self._micro_batches(samples)]
+        batches = [self._inputs(samples, mb, records) for mb in self._micro_batches(samples)]
 
         def collect(batch, output):
             return output.sum() * 0, {"log_probs": self._response_outputs(batch, output, with_entropy=False)[0]}
 
-        outputs = self._schedule(model, batches, collect, forward_only=True)
+        outputs = self._schedule(model, batches, collect, forward_only=True, routing=routing)
         total = sum(s.response_length for s in samples)
         flat = torch.empty(total, dtype=torch.float32, device=self.device)
         if self.ps.is_pipeline_last_stage():
@@ -188,26 +227,50 @@ class MegatronTrainBackend:
         """Current policy's flat response log-probs (no gradient); every rank gets all samples'."""
         return self._log_probs(self.model, samples)
 
+    def _old_policy(self, samples: list[Sample], records: list[Tensor] | None) -> tuple[Tensor, list[Tensor] | None]:
+        """The old log-probs and the routing the training forwards replay: the rollout's `records`, replayed here
+        too (R3), or this forward's own routing, recorded (R2), or None."""
+        if self.routing_replay is None:
+            return self.log_probs(samples), None
+        if self.routing_replay == "rollout":
+            with self.router_replay.replaying(count=False) as feed:
+                return self._log_probs(self.model, samples, feed, records), records
+        with self.router_replay.recording() as feed:
+            log_probs = self._log_probs(self.model, samples, feed)
+        return log_probs, [feed.records[i] for i in range(len(samples))]
+
+    def _rollout_records(self, samples: list[Sample]) -> list[Tensor] | None:
+        """Each sample's engine routing, checked (R3); None otherwise."""
+        if self.routing_replay != "rollout":
+            return None
+        moe = self.arch.moe
+        return [rollout_record(s, self.arch.num_layers, moe.topk, moe.num_experts) for s in samples]
+
     # -- one rollout's training ---------------------------------------------------------------------------------
     def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
-        """Advantages for the whole rollout, then one optimizer step per global batch; averaged metrics."""
-        old_lp = None if old_log_probs_from_training_forward(self.cfg, len(samples)) else self.log_probs(samples)
+        """Advantages for the whole rollout, then one optimizer step per global batch; averaged metrics. Under
+        routing replay every training forward replays `routes` (the rollout's, or the old-policy forward's)."""
+        old_lp, routes = None, self._rollout_records(samples)
+        if not old_log_probs_from_training_forward(self.cfg, len(samples)):
+            old_lp, routes = self._old_policy(samples, routes)
         ref_lp = self._log_probs(self.ref_model, samples) if self.ref_model is not None else None
         rollout = build_rollout_batch(self.cfg, samples, old_lp, ref_lp, device=self.device)
         steps = global_batches(len(samples), self.cfg.global_batch_size)
         totals: dict[str, float] = {}
         for step in steps:
-            for key, value in self._optimizer_step(samples, step, rollout).items():
+            for key, value in self._optimizer_step(samples, step, rollout, routes).items():
                 totals[key] = totals.get(key, 0.0) + value / len(steps)
         totals["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        return totals
+        return match_share(totals) if routes is not None else totals
 
-    def _optimizer_step(self, samples: list[Sample], step: list[int], rollout: RolloutBatch) -> dict[str, float]:
+    def _optimizer_step(self, samples: list[Sample], step: list[int], rollout: RolloutBatch,
+                        routes: list[Tensor] | None = None) -> dict[str, float]:
         dp_rank, dp_size = self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
         local = step[dp_rank::dp_size]
         global_tokens, global_samples = max(rollout.num_tokens(step), 1), len(step)
         local_samples = [samples[i] for i in local]
-        batches = [self._inputs(local_samples, mb) for mb in self._micro_batches(local_samples)]
+        local_routes = None if routes is None else [routes[i] for i in local]
+        batches = [self._inputs(local_samples, mb, local_routes) for mb in self._micro_batches(local_samples)]
         scale = len(batches) * dp_size  # undo the schedule's 1/num_microbatches and DDP's 1/dp averaging
 
         def loss_func(batch, output):
@@ -225,13 +288,34 @@ class MegatronTrainBackend:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._schedule(self.model, batches, loss_func, forward_only=False)
+        if routes is None:
+            outputs = self._schedule(self.model, batches, loss_func, forward_only=False)
+        else:
+            with self.router_replay.replaying(count=True) as feed:
+                outputs = self._schedule(self.model, batches, loss_func, forward_only=False, routing=feed)
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics = self._reduce_metrics(outputs)
         if grad_norm is not None:
             metrics["train/grad_norm"] = float(grad_norm)
+        if routes is not None:
+            metrics.update(self._routing_counts())
         return metrics
+
+    def _routing_counts(self) -> dict[str, float]:
+        """The step's replayed token × layer decisions and how many the routers' fresh choice matched, summed over
+        the ranks that routed different ones: data-parallel ranks (their samples), pipeline stages (their layers),
+        tensor-parallel ranks under sequence parallelism (their slices of the sequence)."""
+        counts = torch.tensor([self.router_replay.matched, self.router_replay.replayed], dtype=torch.float64,
+                              device=self.device)
+        groups = [self.ps.get_data_parallel_group()]
+        if self.layout.pipeline > 1:
+            groups.append(self.ps.get_pipeline_model_parallel_group())
+        if self.layout.sequence_parallel:
+            groups.append(self.ps.get_tensor_model_parallel_group())
+        for group in groups:
+            torch.distributed.all_reduce(counts, group=group)
+        return {ROUTES_MATCHED: counts[0].item(), ROUTES_REPLAYED: counts[1].item()}
 
     def _reduce_metrics(self, outputs: list[dict[str, float]]) -> dict[str, float]:
         """Sum the micro-batches' metric shares over data-parallel ranks; known on every pipeline stage."""

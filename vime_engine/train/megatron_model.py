@@ -78,17 +78,20 @@ def build_model(
     accelerator: Accelerator,
     hf_dir: str | Path | None = None,
     ddp_config: Any = None,
+    routing_replay: bool = False,
 ) -> list[torch.nn.Module]:
     """This rank's Megatron GPT model (one chunk: its pipeline stage), with the HF weights of `hf_dir` loaded
     when given (otherwise Megatron's random init, e.g. before loading a torch_dist checkpoint).
 
-    Mixed-precision wrapper for bf16 / fp16, Megatron's DDP wrapper when `ddp_config` is given.
+    Mixed-precision wrapper for bf16 / fp16, Megatron's DDP wrapper when `ddp_config` is given; with
+    `routing_replay`, a RouterReplay in every MoE layer's router (vime_engine.train.megatron_routing_replay).
     """
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
     config = mh.transformer_config(arch, layout, dtype, use_cpu_initialization=accelerator.kind == "cpu")
+    config.moe_enable_routing_replay = routing_replay  # read by each router as it is built
     model: torch.nn.Module = GPTModel(
         config, mh.layer_spec(arch, config), vocab_size=arch.padded_vocab_size(layout.tensor),
         max_sequence_length=arch.max_positions, pre_process=parallel_state.is_pipeline_first_stage(),
@@ -114,12 +117,14 @@ def build_model_from(
     dtype: torch.dtype,
     accelerator: Accelerator,
     ddp_config: Any = None,
+    routing_replay: bool = False,
 ) -> list[torch.nn.Module]:
     """`build_model` with the weights of `source`: an HF directory, or a torch_dist checkpoint written by
     vime_engine.convert (read in any parallel layout: torch_dist reshards on load)."""
     if not is_converted_checkpoint(source):
-        return build_model(arch, layout, dtype, accelerator, hf_dir=source, ddp_config=ddp_config)
-    model = build_model(arch, layout, dtype, accelerator, ddp_config=ddp_config)
+        return build_model(arch, layout, dtype, accelerator, hf_dir=source, ddp_config=ddp_config,
+                           routing_replay=routing_replay)
+    model = build_model(arch, layout, dtype, accelerator, ddp_config=ddp_config, routing_replay=routing_replay)
     load_weights_from(model, source, arch)
     return model
 

@@ -20,13 +20,8 @@ Where it lives:
   computes the old log-probs, run for that even when the rollout is one optimizer step, as slime does), keeps it
   beside the samples for the rollout's optimizer steps, whose forwards replay it, and drops it. The reference
   model's forward routes freely in both modes.
-For Megatron's router replay (megatron-core's `moe_enable_routing_replay`: one `RouterReplay` per MoE layer of the
-rank's pipeline stage, in layer order): per micro-batch, the instance of decoder layer l (dense layers have none,
-as slime's fill_routing_replay skips them) replays [tokens of the micro-batch in its packed layout, top_k]: each
-sample's record[:, l] in packing order with one row of any valid experts for its last token, cut like Megatron's
-token layout (sequence / context parallel); `RouterReplay.set_replay_data(one per instance)` with the action
-REPLAY_FORWARD (REPLAY_BACKWARD for recomputation). R2's RECORD action gives the same [tokens, top_k] per instance,
-which the inverse of that layout turns into per-sample records.
+The Megatron backend replays the same records through megatron-core's own router replay
+(`moe_enable_routing_replay`), laid out in Megatron's token order: vime_engine.train.megatron_routing_replay.
 
 Mechanics on HF's Qwen3-MoE router (softmax over every expert's logit, top_k, renormalised when the model's
 `norm_topk_prob`): the router runs as usual and a forward hook replaces its top_k with the recorded experts and
@@ -52,6 +47,11 @@ from torch import Tensor, nn
 from vime_engine.sample import Sample
 from vime_engine.train.forward_rows import ForwardRows
 
+# Routing replay's counts of token × MoE-layer decisions, summed over micro-batches and ranks like the metrics, then
+# turned into train/routing_replay_match (`match_share`): the share whose freshly computed experts were the replayed
+# ones. Every training backend reports them under these keys.
+ROUTES_MATCHED, ROUTES_REPLAYED = "routing/matched", "routing/replayed"
+
 # The HF model types whose router this module replays, and why each other MoE would need its own hook: the
 # router's output must be (logits, top-k weights, top-k indices) with softmax-then-top-k weights.
 REPLAYABLE_MODEL_TYPES = ("qwen3_moe",)
@@ -66,6 +66,16 @@ def replayed_gate_weights(logits: Tensor, experts: Tensor, renormalise: bool) ->
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype)
+
+
+def match_share(totals: dict[str, float]) -> dict[str, float]:
+    """`totals` with the routing counts of a rollout's training forwards (averaged over its optimizer steps alike)
+    replaced by their ratio, `train/routing_replay_match` (absent where nothing was replayed)."""
+    totals = dict(totals)
+    matched, replayed = totals.pop(ROUTES_MATCHED), totals.pop(ROUTES_REPLAYED)
+    if replayed:
+        totals["train/routing_replay_match"] = matched / replayed
+    return totals
 
 
 def same_experts(a: Tensor, b: Tensor) -> Tensor:

@@ -37,7 +37,13 @@ from vime_engine.train.micro_batches import (
     plan_shared_prompt_micro_batches,
 )
 from vime_engine.train.objective import MicroBatchOutputs, lr_schedule, micro_batch_loss, needs_reference
-from vime_engine.train.routing_replay import RoutingPass, rollout_record
+from vime_engine.train.routing_replay import (
+    ROUTES_MATCHED,
+    ROUTES_REPLAYED,
+    RoutingPass,
+    match_share,
+    rollout_record,
+)
 from vime_engine.train.rollout_batch import (
     RolloutBatch,
     build_rollout_batch,
@@ -50,9 +56,6 @@ from vime_engine.train.sharding import gathered, shard_model, sharded_like, shar
 MODEL_FILE = "model.safetensors"
 TRAINER_TENSORS_FILE = "trainer.safetensors"  # optimizer moments, critic weights
 TRAINER_STATE_FILE = "trainer.pt"  # the rest: param groups, scheduler, RNG states (small)
-# Routing replay's counts of token × MoE-layer decisions, summed over micro-batches and ranks like the metrics, then
-# turned into train/routing_replay_match: the share whose freshly computed experts were the replayed ones.
-ROUTES_MATCHED, ROUTES_REPLAYED = "routing/matched", "routing/replayed"
 # `--optimizer`: Megatron's "adam" applies weight decay decoupled, as AdamW does.
 OPTIMIZERS = {"adam": torch.optim.AdamW}
 
@@ -257,11 +260,7 @@ class TorchTrainBackend:
             for key, value in self._optimizer_step(samples, step, rollout, routes).items():
                 totals[key] = totals.get(key, 0.0) + value / len(steps)
         totals["train/lr"] = self.scheduler.get_last_lr()[0]
-        if routes is not None:  # both counts were averaged over the steps alike: their ratio is the rollout's
-            matched, replayed = totals.pop(ROUTES_MATCHED), totals.pop(ROUTES_REPLAYED)
-            if replayed:
-                totals["train/routing_replay_match"] = matched / replayed
-        return totals
+        return match_share(totals) if routes is not None else totals
 
     def _optimizer_step(self, samples: list[Sample], step: list[int], rollout: RolloutBatch,
                         routes: list[Tensor] | None = None) -> dict[str, float]:
