@@ -243,6 +243,9 @@ CASES = [
          ("--ref-load", "ref", "no such directory")),
     Case("megatron-not-installed", {"train-backend": "megatron"}, DATA,
          ("--train-backend megatron", "megatron-core", "scripts/ensure-venv-megatron", "--train-backend torch")),
+    Case("megatron-bridge-not-installed", {"train-backend": "megatron", "megatron-to-hf-mode": "bridge"}, DATA,
+         ("--megatron-to-hf-mode bridge", "megatron-bridge", "Python >= 3.12", "scripts/ensure-venv-megatron",
+          "--megatron-to-hf-mode raw")),
     Case("megatron-unmapped-family", {"train-backend": "megatron", "hf-checkpoint": "{tmp}/m"}, DATA,
          ("--hf-checkpoint", "model_type 'gpt2'", "llama, qwen2, qwen3", "--train-backend torch"),
          lambda tmp, model: _as_model_type(tmp / "m", model, "gpt2")),
@@ -276,6 +279,8 @@ def test_bad_input_is_refused_naming_where_and_the_fix(case: Case, tmp_path: Pat
     if case.id == "megatron-not-installed":  # megatron-core is part of this environment: make it unimportable,
         for name in ["megatron", *(n for n in sys.modules if n.startswith("megatron."))]:  # imported ones too
             monkeypatch.setitem(sys.modules, name, None)
+    if case.id == "megatron-bridge-not-installed":  # absent on 3.11; made unimportable where it is installed
+        monkeypatch.setitem(sys.modules, "megatron.bridge", None)
     for name, content in case.files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, bytes):

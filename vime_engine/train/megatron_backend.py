@@ -85,13 +85,18 @@ class MegatronTrainBackend:
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=self.layout.grad_reduce_in_fp32, overlap_grad_reduce=False)
         self.initial_weights = initial_weights(cfg)
+        # --megatron-to-hf-mode: how HF weights enter (an HF initial or reference model) and leave (the weight sync,
+        # --save-hf) the Megatron model.
+        self.hf_mapping = mm.hf_mapping(cfg.train.megatron_to_hf_mode, self.arch, cfg.model.hf_checkpoint)
         self.model = mm.build_model_from(self.initial_weights, self.arch, self.layout, self.dtype, self.accelerator,
-                                         ddp_config=ddp)
+                                         ddp_config=ddp, mapping=self.hf_mapping)
         self.ref_model = None
         if needs_reference(cfg):
             ref_dir = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
             ref_arch = mm.architecture_of(ref_dir)
-            self.ref_model = mm.build_model_from(ref_dir, ref_arch, self.layout, self.dtype, self.accelerator)
+            ref_mapping = mm.hf_mapping(cfg.train.megatron_to_hf_mode, ref_arch, ref_dir)
+            self.ref_model = mm.build_model_from(ref_dir, ref_arch, self.layout, self.dtype, self.accelerator,
+                                                 mapping=ref_mapping)
             for chunk in self.ref_model:
                 chunk.eval().requires_grad_(False)
         t = cfg.train
@@ -255,7 +260,7 @@ class MegatronTrainBackend:
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The policy's full weights in HF names (gathered over TP/PP; collective: every rank must iterate);
         `lm_head.weight` always included (vLLM needs it even when tied)."""
-        for name, tensor in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=True):
+        for name, tensor in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=True, mapping=self.hf_mapping):
             yield name, tensor.detach()
 
     def save_hf(self, directory: str | Path, tokenizer_from: str | None = None) -> Path:
@@ -263,7 +268,8 @@ class MegatronTrainBackend:
         from vime_engine.train.megatron_hf import copy_non_weight_files
 
         directory = Path(directory)
-        weights = {name: t.cpu() for name, t in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=False)}
+        weights = {name: t.cpu() for name, t in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=False,
+                                                                         mapping=self.hf_mapping)}
         if torch.distributed.get_rank() == 0:
             self.mm.save_hf_weights(weights, directory)
             copy_non_weight_files(Path(tokenizer_from or self.cfg.model.hf_checkpoint), directory)
@@ -312,7 +318,7 @@ class MegatronTrainBackend:
         """torch_dist loads into the model's parameters and the optimizer's state in place: after a load that is
         refused, the trainer as it was built again (the initial weights, an optimizer that has taken no step), so a
         run with no other checkpoint to resume from starts from its initial weights, as with the torch backends."""
-        self.mm.load_weights_from(self.model, self.initial_weights, self.arch)
+        self.mm.load_weights_from(self.model, self.initial_weights, self.arch, self.hf_mapping)
         for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             optimizer.optimizer.state.clear()  # torch's Adam makes its moments again at its first step
         self.optimizer.reload_model_params()  # mixed precision: the fp32 main copies from the weights
