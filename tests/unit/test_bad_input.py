@@ -415,3 +415,16 @@ def test_module_available_answers_for_a_missing_parent_package():
 def test_preflight_errors_are_config_errors():
     # the pipeline's engine runner maps ConfigError to "configuration failure, do not retry"
     assert issubclass(PreflightError, ConfigError)
+
+
+def test_bridge_mode_refuses_a_family_the_engine_does_not_build_naming_what_is_missing(tmp_path: Path,
+                                                                                        tiny_model: Path):
+    # Where Megatron-Bridge is installed (the 3.12 lane, the CUDA image) preflight gets past its install check; the
+    # model is then refused because the engine builds the model itself, from our mapping's families.
+    from vime_engine.preflight import _check_megatron_mapping
+
+    _as_model_type(tmp_path / "m", tiny_model, "deepseek_v3")
+    with pytest.raises(ConfigError) as info:
+        _check_megatron_mapping(str(tmp_path / "m"), "--hf-checkpoint", "bridge")
+    message = str(info.value)
+    assert "model_type 'deepseek_v3'" in message and "from Megatron-Bridge's model providers is not wired" in message
