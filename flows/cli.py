@@ -340,12 +340,26 @@ def convert(
     source: Path = typer.Argument(..., help="the checkpoint to convert"),
     dest: Path = typer.Argument(..., help="where to write the converted checkpoint"),
     direction: str = typer.Option("hf_to_megatron", help="hf_to_megatron | megatron_to_hf"),
+    megatron_to_hf_mode: str = typer.Option(
+        "raw", "--megatron-to-hf-mode",
+        help="raw: the engine's own mapping | bridge: Megatron-Bridge's AutoBridge (Python >= 3.12)"),
 ) -> None:
-    """Convert HF <-> Megatron torch_dist (the engine's own mapping), verified by a round trip (needs megatron-core)."""
+    """Convert HF <-> Megatron torch_dist, verified by a round trip (needs megatron-core; megatron-bridge in bridge
+    mode)."""
     from vime_engine.convert import convert_checkpoint
     from vime_engine.devices.accelerator import resolve_accelerator
+    from vime_engine.preflight import require_megatron, require_megatron_bridge
 
-    console.print(f"converted: {convert_checkpoint(source, dest, direction, resolve_accelerator())}")
+    if megatron_to_hf_mode not in ("raw", "bridge"):
+        raise typer.BadParameter(f"{megatron_to_hf_mode!r}: expected raw or bridge", param_hint="--megatron-to-hf-mode")
+    try:  # the install hint, before a model is read
+        require_megatron()
+        if megatron_to_hf_mode == "bridge":
+            require_megatron_bridge()
+    except Exception as exc:  # noqa: BLE001
+        raise _fail(exc, verbose=False) from None
+    result = convert_checkpoint(source, dest, direction, resolve_accelerator(), mode=megatron_to_hf_mode)
+    console.print(f"converted: {result}")
 
 
 def main() -> None:

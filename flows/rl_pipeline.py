@@ -78,7 +78,8 @@ def prepare_run(model: ModelSource, data: TrainData, engine: EngineSettings, tra
     # .result() raises the staging task's own error: a task handed a failed future would not run, and the
     # flow would go on with None in its place.
     trainable = convert_checkpoint(model_asset.result(), engine.flags.get("train-backend", "torch"), root,
-                                   training.train_backend_conversion)
+                                   training.train_backend_conversion,
+                                   engine.flags.get("megatron-to-hf-mode", "raw"))
     train_asset, eval_assets = train_future.result(), [f.result() for f in eval_futures]
     job = engine_job(engine, training, evaluation, trainable, data, train_asset, eval_assets, ray_address)
     return PreparedRun(root, image_info, trainable, train_asset, eval_assets, job)

@@ -18,7 +18,7 @@ from tasks import images, staging
 from tasks.retry_policy import retry_on
 from tasks.staging import StagedAsset
 from tasks.storage import TransientStorageError, open_storage
-from vime_engine.preflight import require_megatron
+from vime_engine.preflight import require_megatron, require_megatron_bridge
 
 
 @task(name="check_image", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_on(images.RegistryError))
@@ -61,32 +61,40 @@ class TrainableModel:
 
 
 @task(name="convert_checkpoint")
-def convert_checkpoint(model: StagedAsset, train_backend: str, storage_root: str, convert: bool = True
-                       ) -> TrainableModel:
+def convert_checkpoint(model: StagedAsset, train_backend: str, storage_root: str, convert: bool = True,
+                       megatron_to_hf_mode: str = "raw") -> TrainableModel:
     """HF → the backend's format. The torch and fsdp backends train HF weights as they are (GGUF sources such as
     the built-in SmolLM2 were already dequantised to HF safetensors by staging). Megatron starts from a torch_dist
     checkpoint converted once and verified by a round trip, or with `convert` off, reads the HF weights itself
-    (the engine's HF mapping) in every chunk that starts without a checkpoint."""
+    in every chunk that starts without a checkpoint; either way through the engine's `--megatron-to-hf-mode`
+    (raw: its own mapping; bridge: Megatron-Bridge)."""
     if train_backend in ("torch", "fsdp"):
         return TrainableModel(model.uri, model.manifest_hash, train_backend, model)
     if train_backend == "megatron":
+        _require_packages(megatron_to_hf_mode)  # the install hint, before anything is fetched
         if not convert:
-            require_megatron()
             return TrainableModel(model.uri, model.manifest_hash, "megatron", model)
-        return TrainableModel(*_hf_to_megatron(model, storage_root), "megatron", model)
+        return TrainableModel(*_hf_to_megatron(model, storage_root, megatron_to_hf_mode), "megatron", model)
     raise ValueError(f"unknown train backend {train_backend!r}")
 
 
-def _hf_to_megatron(model: StagedAsset, storage_root: str) -> tuple[str, str]:
+def _require_packages(megatron_to_hf_mode: str) -> None:
+    require_megatron()
+    if megatron_to_hf_mode == "bridge":
+        require_megatron_bridge()
+
+
+def _hf_to_megatron(model: StagedAsset, storage_root: str, mode: str) -> tuple[str, str]:
     """Convert the staged HF model to torch_dist (verified by a round trip) and commit it beside the source."""
-    require_megatron()  # the install hint, before anything is fetched
     from vime_engine.convert import convert_checkpoint as convert
     from vime_engine.devices.accelerator import resolve_accelerator
 
-    prefix = model.uri.removeprefix(storage_root.rstrip("/") + "/").rstrip("/") + "-megatron"
+    # Each mode's conversion under its own name: the files of the two differ in conversion.json.
+    suffix = "-megatron" if mode == "raw" else f"-megatron-{mode}"
+    prefix = model.uri.removeprefix(storage_root.rstrip("/") + "/").rstrip("/") + suffix
     with tempfile.TemporaryDirectory(prefix="vimeflow-convert-") as tmp:
         hf_dir = staging.fetch(model.uri, Path(tmp) / "hf")
-        result = convert(hf_dir, Path(tmp) / "megatron", "hf_to_megatron", resolve_accelerator())
+        result = convert(hf_dir, Path(tmp) / "megatron", "hf_to_megatron", resolve_accelerator(), mode=mode)
         get_run_logger().info("HF → Megatron: max log-prob diff %.2e", result.max_logprob_abs_diff)
         manifest = open_storage(storage_root).commit_tree(Path(tmp) / "megatron", prefix)
     return open_storage(storage_root).uri(prefix), manifest.hash

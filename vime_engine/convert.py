@@ -1,4 +1,6 @@
-"""HF <-> Megatron (torch_dist) checkpoint conversion (vime_engine.train.megatron_hf), verified by a round trip.
+"""HF <-> Megatron (torch_dist) checkpoint conversion, verified by a round trip: through the engine's own mapping
+(vime_engine.train.megatron_hf, `--megatron-to-hf-mode raw`) or Megatron-Bridge's AutoBridge (`bridge`,
+vime_engine.train.megatron_bridge), which write the same torch_dist layout.
 
 HF → Megatron writes `<dest>/iter_0000000/` (Megatron's distributed checkpoint, torch_dist backend, the model's
 sharded state dict under "model"), `latest_checkpointed_iteration.txt`, and `<dest>/hf_config/` (the source's
@@ -7,8 +9,8 @@ config and tokenizer, so the way back needs nothing else). Megatron → HF write
 Verification reloads what was written into a fresh model and requires (1) every exported HF tensor equal to
 the source's and (2) the per-token log-probs of a fixed batch equal between the HF model and the Megatron
 model within `LOGPROB_TOLERANCE` (fp32; decided in float64 when a deep model's fp32 rounding alone exceeds
-it). `conversion.json` is written last, with the source's content hash: a destination holding it for the
-same source is complete and the conversion is skipped (idempotent).
+it). `conversion.json` is written last, with the source's content hash and the mode: a destination holding it for
+the same source is complete and the conversion is skipped (idempotent; in either mode, the layouts being the same).
 
 Runs in one process (tensor and pipeline parallel size 1); the weights land on the CPU.
 """
@@ -26,6 +28,7 @@ import torch
 
 from vime_engine.devices.accelerator import CPU, Accelerator, prepare_accelerator
 from vime_engine.train.megatron_hf import MARKER, copy_non_weight_files
+from vime_engine.train.megatron_layout import MegatronToHFMode
 
 Direction = Literal["hf_to_megatron", "megatron_to_hf"]
 LOGPROB_TOLERANCE = 1e-5
@@ -45,6 +48,7 @@ class ConversionResult:
     max_logprob_abs_diff_fp32: float
     max_logprob_abs_diff: float  # the one checked: fp32, or float64 where fp32 rounding exceeds the tolerance
     skipped: bool = False
+    megatron_to_hf_mode: MegatronToHFMode = "raw"  # the mapping that converted (markers written before the flag: raw)
 
 
 def directory_hash(directory: Path) -> str:
@@ -59,9 +63,11 @@ def directory_hash(directory: Path) -> str:
 
 
 def convert_checkpoint(
-    source: str | Path, dest: str | Path, direction: Direction, accelerator: Accelerator = CPU
+    source: str | Path, dest: str | Path, direction: Direction, accelerator: Accelerator = CPU,
+    mode: MegatronToHFMode = "raw",
 ) -> ConversionResult:
-    """Convert `source` into `dest` (skipped when `dest` already holds a verified conversion of it)."""
+    """Convert `source` into `dest` through `mode`'s mapping (skipped when `dest` already holds a verified
+    conversion of it)."""
     source, dest = Path(source), Path(dest)
     if not source.is_dir():
         raise FileNotFoundError(f"conversion source {source} is not a directory")
@@ -76,12 +82,12 @@ def convert_checkpoint(
     if dest.exists():
         shutil.rmtree(dest)  # an unmarked destination is a crashed attempt
     if direction == "hf_to_megatron":
-        diffs = _hf_to_megatron(mm, source, dest, accelerator)
+        diffs = _hf_to_megatron(mm, source, dest, accelerator, mode)
     elif direction == "megatron_to_hf":
-        diffs = _megatron_to_hf(mm, source, dest, accelerator)
+        diffs = _megatron_to_hf(mm, source, dest, accelerator, mode)
     else:
         raise ValueError(f"direction {direction!r}: expected hf_to_megatron or megatron_to_hf")
-    result = ConversionResult(direction, str(source), str(dest), source_hash, *diffs)
+    result = ConversionResult(direction, str(source), str(dest), source_hash, *diffs, megatron_to_hf_mode=mode)
     (dest / MARKER).write_text(json.dumps(asdict(result), indent=2))
     return result
 
@@ -96,9 +102,11 @@ def _completed(dest: Path, direction: Direction, source_hash: str) -> Conversion
     return ConversionResult(**{**recorded, "skipped": True})
 
 
-def _hf_to_megatron(mm, source: Path, dest: Path, accelerator: Accelerator) -> tuple[float, float, float]:
+def _hf_to_megatron(mm, source: Path, dest: Path, accelerator: Accelerator,
+                    mode: MegatronToHFMode) -> tuple[float, float, float]:
     arch = mm.HFArchitecture.from_pretrained(source)
-    model = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator, hf_dir=source)
+    mapping = mm.hf_mapping(mode, arch, source)
+    model = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator, hf_dir=source, mapping=mapping)
     mm.save_torch_dist(mm.model_sharded_state_dict(model), dest / mm.TORCH_DIST_ITERATION_DIR)
     (dest / "latest_checkpointed_iteration.txt").write_text("0")
     copy_non_weight_files(source, dest / mm.HF_CONFIG_DIR)
@@ -106,10 +114,11 @@ def _hf_to_megatron(mm, source: Path, dest: Path, accelerator: Accelerator) -> t
 
     reloaded = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator)
     mm.load_torch_dist(mm.model_sharded_state_dict(reloaded), dest / mm.TORCH_DIST_ITERATION_DIR)
-    return _verify(mm, arch, reloaded, hf_dir=source)
+    return _verify(mm, arch, reloaded, source, mapping)
 
 
-def _megatron_to_hf(mm, source: Path, dest: Path, accelerator: Accelerator) -> tuple[float, float, float]:
+def _megatron_to_hf(mm, source: Path, dest: Path, accelerator: Accelerator,
+                    mode: MegatronToHFMode) -> tuple[float, float, float]:
     hf_config_dir = source / mm.HF_CONFIG_DIR
     if not (source / mm.TORCH_DIST_ITERATION_DIR).is_dir() or not hf_config_dir.is_dir():
         raise FileNotFoundError(
@@ -117,12 +126,13 @@ def _megatron_to_hf(mm, source: Path, dest: Path, accelerator: Accelerator) -> t
             f"{mm.HF_CONFIG_DIR}/ (write one with direction hf_to_megatron)"
         )
     arch = mm.HFArchitecture.from_pretrained(hf_config_dir)
+    mapping = mm.hf_mapping(mode, arch, hf_config_dir)
     model = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator)
     mm.load_torch_dist(mm.model_sharded_state_dict(model), source / mm.TORCH_DIST_ITERATION_DIR)
-    weights = {name: t.cpu() for name, t in mm.hf_weight_stream(arch, model, with_lm_head=False)}
+    weights = {name: t.cpu() for name, t in mm.hf_weight_stream(arch, model, with_lm_head=False, mapping=mapping)}
     mm.save_hf_weights(weights, dest)
     copy_non_weight_files(hf_config_dir, dest)
-    return _verify(mm, arch, model, hf_dir=dest)
+    return _verify(mm, arch, model, dest, mapping)
 
 
 def hf_files_state(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -135,9 +145,9 @@ def hf_files_state(hf_dir: Path) -> dict[str, torch.Tensor]:
             for name, tensor in load_file(path).items()}
 
 
-def _verify(mm, arch, model, hf_dir: Path) -> tuple[float, float, float]:
-    """Max |difference| of exported vs HF tensors and of fixed-batch log-probs (fp32, checked); raises past the
-    tolerances."""
+def _verify(mm, arch, model, hf_dir: Path, mapping) -> tuple[float, float, float]:
+    """Max |difference| of tensors exported through `mapping` vs HF's and of fixed-batch log-probs (fp32, checked);
+    raises past the tolerances."""
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -146,7 +156,7 @@ def _verify(mm, arch, model, hf_dir: Path) -> tuple[float, float, float]:
     hf_state = hf_files_state(hf_dir)
     tensor_diff = 0.0
     exported = set()
-    for name, tensor in mm.hf_weight_stream(arch, model, with_lm_head=False):
+    for name, tensor in mm.hf_weight_stream(arch, model, with_lm_head=False, mapping=mapping):
         exported.add(name)
         if name not in hf_state:
             raise ConversionError(f"exported tensor {name} does not exist in the HF model at {hf_dir}")

@@ -32,7 +32,8 @@ from vime_engine.rollout.routed_experts import routed_experts_unavailable
 from vime_engine.train.megatron_model_flags import HFView, ModelFlagMismatch, check_expert_layout, check_model_flags
 
 log = logging.getLogger(__name__)
-MEGATRON_MODULES = ("megatron.core",)  # the HF mapping is our own (train/megatron_hf.py)
+MEGATRON_MODULES = ("megatron.core",)  # the raw HF mapping is our own (train/megatron_hf.py)
+MEGATRON_BRIDGE_MODULE = "megatron.bridge"  # --megatron-to-hf-mode bridge (train/megatron_bridge.py)
 CHECKPOINT_WEIGHTS = "model.safetensors"  # the torch backend's weights inside rollout_NNNNNNN/
 # One of these holds a tokenizer's vocabulary (fast, sentencepiece, or BPE vocab + merges).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -57,6 +58,8 @@ def check_inputs(cfg: EngineConfig) -> None:
     no tokenizer is loaded, no tensor read)."""
     if cfg.train.train_backend == "megatron":
         require_megatron()
+        if cfg.train.megatron_to_hf_mode == "bridge":
+            require_megatron_bridge()
     model_config = check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
     config_file = Path(cfg.model.hf_checkpoint) / "config.json"
     _check_model_flags(cfg.megatron, model_config, config_file)
@@ -72,9 +75,10 @@ def check_inputs(cfg: EngineConfig) -> None:
         check_model_dir(ref_load, "--ref-load")
     if cfg.train.train_backend == "megatron":
         _check_megatron_settings(cfg.megatron, model_config, config_file)
-        _check_megatron_mapping(cfg.model.hf_checkpoint, "--hf-checkpoint")
+        mode = cfg.train.megatron_to_hf_mode
+        _check_megatron_mapping(cfg.model.hf_checkpoint, "--hf-checkpoint", mode)
         if ref_load is not None and not torch_dist_ref:
-            _check_megatron_mapping(ref_load, "--ref-load")
+            _check_megatron_mapping(ref_load, "--ref-load", mode)
     _check_plugins(cfg)
     _check_checkpoints(cfg)
     check_can_make_dir(Path(cfg.logging.output_dir), "--output-dir", OUTPUT_DIR_HOLDS)
@@ -189,6 +193,16 @@ def require_megatron() -> None:
         )
 
 
+def require_megatron_bridge() -> None:
+    """`--megatron-to-hf-mode bridge` needs Megatron-Bridge (Python >= 3.12): refused before anything starts."""
+    if not module_available(MEGATRON_BRIDGE_MODULE):
+        raise PreflightError(
+            "--megatron-to-hf-mode bridge needs megatron-bridge, which this environment lacks: install it beside "
+            "megatron-core >= 0.17 on Python >= 3.12 (`pip install --no-deps megatron-bridge==0.6.2` and its "
+            "pure-Python needs, as scripts/ensure-venv-megatron does), use the CUDA image, or keep "
+            "--megatron-to-hf-mode raw (the engine's own mapping, the same tensors)")
+
+
 def _is_converted_checkpoint(path: str) -> bool:
     from vime_engine.train.megatron_hf import is_converted_checkpoint
 
@@ -212,14 +226,16 @@ def _check_torch_dist_ref(cfg: EngineConfig) -> None:
             f"({', '.join(differ)}); convert --hf-checkpoint's model (vimeflow convert) and give that")
 
 
-def _check_megatron_mapping(path: str, flag: str) -> None:
-    """The Megatron backend's HF mapping covers this architecture (a family or setting it would get wrong is named)."""
+def _check_megatron_mapping(path: str, flag: str, mode: str) -> None:
+    """The Megatron backend builds this architecture (a family or setting it would get wrong is named)."""
     from vime_engine.train.megatron_hf import HFArchitecture, UnsupportedHFModel
 
     try:
         HFArchitecture.from_pretrained(path)
     except UnsupportedHFModel as exc:
-        raise PreflightError(f"{flag} {exc}") from None
+        bridge = ("; --megatron-to-hf-mode bridge converts the weights of the models the engine builds, and building "
+                  "other families from Megatron-Bridge's model providers is not wired") if mode == "bridge" else ""
+        raise PreflightError(f"{flag} {exc}{bridge}") from None
 
 
 def _check_model_flags(flags: dict[str, Any], model_config: dict[str, Any], config_file: Path) -> None:

@@ -2,7 +2,7 @@
 
 Under the main lane's Python 3.11 this folder collects nothing (its Megatron-in-the-loop test is the Megatron
 case of tests/component/test_resume.py, on megatron-core 0.16). Under 3.12 megatron-core 0.19 (and
-megatron-bridge, which one test compares our HF mapping with) must import; a missing package fails the run
+megatron-bridge, which `--megatron-to-hf-mode bridge` uses and the tests compare with our mapping) must import; a missing package fails the run
 instead of skipping.
 """
 

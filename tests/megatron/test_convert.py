@@ -1,4 +1,5 @@
-"""HF <-> Megatron torch_dist conversion through Megatron-Bridge: round trips, idempotence, failure on damage."""
+"""HF <-> Megatron torch_dist conversion: round trips, idempotence, failure on damage, and the raw and bridge modes
+(`--megatron-to-hf-mode`) reading each other's checkpoints."""
 
 from __future__ import annotations
 
@@ -70,3 +71,17 @@ def test_smollm2_llama_round_trip(tmp_path_factory, tmp_path):
     assert to_megatron.max_tensor_abs_diff == 0.0 and back.max_tensor_abs_diff == 0.0
     assert to_megatron.max_logprob_abs_diff <= 1e-5 and back.max_logprob_abs_diff <= 1e-5
     _assert_same_tensors(hf_dir, tmp_path / "hf")
+
+
+def test_bridge_and_raw_conversions_read_each_others_checkpoints(tiny_qwen3_moe, tmp_path):
+    # HF -> torch_dist through Megatron-Bridge, back through our mapping, and the other way round: the experts and
+    # routers land where the other mode looks for them, so the way back is the source, bit for bit.
+    by_bridge = convert_checkpoint(tiny_qwen3_moe, tmp_path / "bridge-megatron", "hf_to_megatron", mode="bridge")
+    back_raw = convert_checkpoint(tmp_path / "bridge-megatron", tmp_path / "raw-hf", "megatron_to_hf", mode="raw")
+    by_raw = convert_checkpoint(tiny_qwen3_moe, tmp_path / "raw-megatron", "hf_to_megatron", mode="raw")
+    back_bridge = convert_checkpoint(tmp_path / "raw-megatron", tmp_path / "bridge-hf", "megatron_to_hf", mode="bridge")
+    for result in (by_bridge, back_raw, by_raw, back_bridge):
+        assert result.max_tensor_abs_diff == 0.0 and result.max_logprob_abs_diff <= 1e-5
+    assert json.loads((tmp_path / "bridge-megatron" / MARKER).read_text())["megatron_to_hf_mode"] == "bridge"
+    _assert_same_tensors(tiny_qwen3_moe, tmp_path / "raw-hf")
+    _assert_same_tensors(tiny_qwen3_moe, tmp_path / "bridge-hf")

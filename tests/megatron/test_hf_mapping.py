@@ -1,7 +1,8 @@
-"""The bridge-free HF ↔ Megatron mapping (vime_engine.train.megatron_hf): layouts worked by hand, the round trip
+"""The engine's own HF ↔ Megatron mapping (vime_engine.train.megatron_hf): layouts worked by hand, the round trip
 HF → Megatron → HF bit-exact, logits equal to transformers' in fp32 for each family (Llama untied, Qwen2 with
-q/k/v biases, Qwen3 with q/k norms and tied embeddings, Qwen3-MoE with a dense and a MoE layer), and the same layout
-as Megatron-Bridge's."""
+q/k/v biases, Qwen3 with q/k norms and tied embeddings, Qwen3-MoE with a dense and a MoE layer), and the same as
+its counterpart through Megatron-Bridge (`--megatron-to-hf-mode bridge`): the same parameters loaded, the same HF
+tensors exported."""
 
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def test_round_trip_is_exact_and_logits_match_transformers(tmp_path, single_proc
     assert (reference - ours).abs().max().item() < 1e-5
 
 
-def test_weights_the_mapping_does_not_know_are_refused(tmp_path, single_process):
+@pytest.mark.parametrize("mode", ["raw", "bridge"])
+def test_weights_the_mapping_does_not_know_are_refused(tmp_path, single_process, mode):
     from safetensors.torch import save_file
 
     hf_dir, _ = _save(tmp_path, "qwen3")
@@ -113,7 +115,8 @@ def test_weights_the_mapping_does_not_know_are_refused(tmp_path, single_process)
     save_file({**weights, "model.layers.0.self_attn.extra.weight": torch.ones(2)}, hf_dir / "model.safetensors")
     arch = HFArchitecture.from_pretrained(hf_dir)
     with pytest.raises(UnsupportedHFModel, match="does not use.*self_attn.extra.weight"):
-        mm.build_model(arch, mm.ParallelLayout(), torch.float32, CPU, hf_dir=hf_dir)
+        mm.build_model(arch, mm.ParallelLayout(), torch.float32, CPU, hf_dir=hf_dir,
+                       mapping=mm.hf_mapping(mode, arch, hf_dir))
 
 
 def test_configs_it_would_get_wrong_are_refused_by_field():
@@ -129,17 +132,57 @@ def test_configs_it_would_get_wrong_are_refused_by_field():
         HFArchitecture.from_hf_config(transformers.GPT2Config())
 
 
-def test_layout_is_megatron_bridges(tiny_qwen3, single_process):
-    """Megatron-Bridge (where installed: the 3.12 lane) reads our Megatron model back into the same HF tensors,
-    so torch_dist checkpoints written through either carry the same layout."""
-    from tests.megatron.bridge_import import import_megatron_bridge
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen3", "tiny_qwen3_moe"])
+def test_bridge_mode_loads_and_exports_what_raw_mode_does(request, single_process, model_fixture):
+    """--megatron-to-hf-mode bridge (Megatron-Bridge's AutoBridge) against raw (our mapping): HF weights loaded
+    through the bridge are the very parameters ours loads, and the bridge's export of a model (trained away from the
+    HF files) has the same HF names and values as ours, lm_head included only when asked (tied embeddings)."""
+    from vime_engine.train.megatron_bridge import BridgeMapping
 
-    AutoBridge = import_megatron_bridge().AutoBridge
+    hf_dir = request.getfixturevalue(model_fixture)
+    arch = HFArchitecture.from_pretrained(hf_dir)
+    raw, bridge = mm.hf_mapping("raw", arch, hf_dir), mm.hf_mapping("bridge", arch, hf_dir)
+    assert isinstance(bridge, BridgeMapping)
+    via_raw = mm.build_model(arch, mm.ParallelLayout(), torch.float32, CPU, hf_dir=hf_dir, mapping=raw)
+    via_bridge = mm.build_model(arch, mm.ParallelLayout(), torch.float32, CPU, hf_dir=hf_dir, mapping=bridge)
+    ours, theirs = dict(via_raw[0].named_parameters()), dict(via_bridge[0].named_parameters())
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours), "the bridge loaded other parameters"
+    source = load_file(hf_dir / "model.safetensors")
+    loaded = dict(mm.hf_weight_stream(arch, via_bridge, with_lm_head=False, mapping=raw))
+    assert set(loaded) == set(source) and all(torch.equal(loaded[n], source[n]) for n in source)
 
-    arch = HFArchitecture.from_pretrained(tiny_qwen3)
-    model = mm.build_model(arch, mm.ParallelLayout(), torch.float32, CPU, hf_dir=tiny_qwen3)
-    source = load_file(tiny_qwen3 / "model.safetensors")
-    bridge = AutoBridge.from_hf_pretrained(str(tiny_qwen3), dtype=torch.float32)
-    via_bridge = dict(bridge.export_hf_weights(model, cpu=True, show_progress=False))
-    assert set(via_bridge) - {"lm_head.weight"} == set(source)
-    assert all(torch.equal(via_bridge[n], source[n]) for n in source)
+    with torch.no_grad():  # as after training: the export must read the model, not echo the HF files
+        for param in via_raw[0].parameters():
+            param.add_(torch.randn_like(param) * 0.01)
+    for with_lm_head in (True, False):
+        by_raw = dict(mm.hf_weight_stream(arch, via_raw, with_lm_head, mapping=raw))
+        by_bridge = dict(mm.hf_weight_stream(arch, via_raw, with_lm_head, mapping=bridge))
+        assert set(by_bridge) == set(by_raw) == set(source) | ({"lm_head.weight"} if with_lm_head else set())
+        assert all(torch.equal(by_bridge[n], by_raw[n]) for n in by_raw)
+        assert not any(torch.equal(by_bridge[n], source[n]) for n in source)
+
+
+def test_the_megatron_backend_takes_its_weights_in_and_out_through_the_bridge(tiny_qwen3_moe, single_process,
+                                                                              tmp_path):
+    """`--megatron-to-hf-mode bridge` in the Megatron backend: the initial weights come in through the bridge, and
+    after a training step the weight sync's stream and --save-hf (through the bridge) hold what our mapping exports of
+    the same trained model."""
+    from tests.megatron.helpers import fixed_rollout, tiny_config
+    from vime_engine.train.megatron_backend import MegatronTrainBackend
+    from vime_engine.train.megatron_bridge import BridgeMapping
+
+    backend = MegatronTrainBackend(tiny_config(tiny_qwen3_moe, megatron_to_hf_mode="bridge"))
+    assert isinstance(backend.hf_mapping, BridgeMapping)
+    source = load_file(tiny_qwen3_moe / "model.safetensors")
+    start = dict(backend.named_weights())
+    assert set(start) == set(source) | {"lm_head.weight"} and all(torch.equal(start[n], source[n]) for n in source)
+
+    backend.train_rollout(fixed_rollout(backend.vocab_size))
+    synced = dict(backend.named_weights())
+    by_raw = dict(backend.mm.hf_weight_stream(backend.arch, backend.model, with_lm_head=True))
+    assert set(synced) == set(by_raw) and all(torch.equal(synced[n], by_raw[n]) for n in by_raw)
+    expert = "model.layers.1.mlp.experts.7.down_proj.weight"
+    assert not torch.equal(synced[expert], source[expert])  # the experts trained, and the stream shows it
+    saved = load_file(backend.save_hf(tmp_path / "hf") / "model.safetensors")
+    assert set(saved) == set(source) and all(torch.equal(saved[n], by_raw[n]) for n in saved)

@@ -5,7 +5,8 @@ rank four of the eight experts, tokens dealt by gloo's all_to_all) and at TP=2 w
 experts split over both ranks (ETP=2); EP=2's torch_dist checkpoint of the experts resumes bit-identical. The MoE
 runs replay their routing (--use-routing-replay, through Megatron's router replay): recorded in the old-policy pass
 (under sequence parallelism each rank routes and records half of each micro-batch's sequence, gathered) and replayed
-in the rollout's second optimizer step, as one rank does.
+in the rollout's second optimizer step, as one rank does. At PP=2, EP=2 and TP=2 with ETP=2 Megatron-Bridge's
+export of the trained ranks (`--megatron-to-hf-mode bridge`) equals ours.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
+from safetensors.torch import load_file
 
 from tests.megatron.helpers import fixed_rollout, tiny_config
 from vime_engine.devices.accelerator import CPU
@@ -32,6 +35,30 @@ def _trained(model_dir: Path, **layout) -> tuple[dict, dict, TrainerGroup]:
     vocab = ray.get(group.leader.__ray_call__.remote(lambda self: self.backend.vocab_size))
     metrics = group.train(fixed_rollout(vocab))
     return metrics, group.weights(), group
+
+
+def _through_the_bridge(group: TrainerGroup, model_dir: Path, reload: bool = False) -> list[tuple]:
+    """Megatron-Bridge's side (`--megatron-to-hf-mode bridge`'s mapping), run by every rank at once (collective):
+    per rank, the group's trained weights exported through it and, with `reload`, `model_dir`'s HF weights loaded back
+    into the rank's shards through it, exported by ours, with the rank's output layer (a pipeline's last stage holds
+    its own copy of a tied embedding)."""
+    def bridge_side(rank):
+        backend, mm = rank.backend, rank.backend.mm
+        bridge = mm.hf_mapping("bridge", backend.arch, model_dir)
+        exported = {name: tensor.clone() for name, tensor in  # copies: the reload below writes the parameters
+                    mm.hf_weight_stream(backend.arch, backend.model, with_lm_head=True, mapping=bridge)}
+        if not reload:
+            return exported, None, None
+        mm.load_weights_from(backend.model, model_dir, backend.arch, bridge)
+        output_layer = getattr(mm.unwrap(backend.model[0]), "output_layer", None)
+        weight = None if output_layer is None or output_layer.weight is None else output_layer.weight.detach().clone()
+        return exported, dict(mm.hf_weight_stream(backend.arch, backend.model, with_lm_head=False)), weight
+
+    return ray.get([rank.__ray_call__.remote(bridge_side) for rank in group.ranks])
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +81,12 @@ def test_group_of_two_ranks_trains_like_one(tiny_qwen3, one_rank, layout):
             assert metrics[key] == pytest.approx(ref_metrics[key], abs=1e-5), key
         assert set(weights) == set(ref_weights)
         assert max((weights[n] - ref_weights[n]).abs().max().item() for n in weights) < 5e-5
+        if "pipeline-model-parallel-size" in layout:  # the bridge gathers the stages, the tied embedding once,
+            (exported, reloaded, _), (_, _, last_stage_head) = _through_the_bridge(group, tiny_qwen3, reload=True)
+            source = load_file(tiny_qwen3 / "model.safetensors")
+            _assert_same(exported, weights)
+            _assert_same(reloaded, source)  # and fills both stages' copies of it on the way in
+            assert torch.equal(last_stage_head, source["model.embed_tokens.weight"])
     finally:
         group.shutdown()
 
@@ -105,7 +138,12 @@ def test_moe_group_of_two_expert_parallel_ranks_trains_like_one(tiny_qwen3_moe, 
             assert metrics[key] == pytest.approx(ref_metrics[key], abs=1e-5), key
         assert set(weights) == set(ref_weights)  # every expert, gathered into its HF name
         assert max((weights[n] - ref_weights[n]).abs().max().item() for n in weights) < 5e-5
+        # Megatron-Bridge gathers the same experts (over EP ranks, or their halves over ETP ranks) into the same names
+        # and deals them out again as ours does
+        (exported, reloaded, _), _ = _through_the_bridge(group, tiny_qwen3_moe, reload=layout is not EP2)
+        _assert_same(exported, weights)
         if layout is not EP2:
+            _assert_same(reloaded, load_file(tiny_qwen3_moe / "model.safetensors"))
             return
         group.save_state(str(tmp_path / "ckpt"))
         vocab = ray.get(group.leader.__ray_call__.remote(lambda self: self.backend.vocab_size))

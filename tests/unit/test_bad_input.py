@@ -243,6 +243,9 @@ CASES = [
          ("--ref-load", "ref", "no such directory")),
     Case("megatron-not-installed", {"train-backend": "megatron"}, DATA,
          ("--train-backend megatron", "megatron-core", "scripts/ensure-venv-megatron", "--train-backend torch")),
+    Case("megatron-bridge-not-installed", {"train-backend": "megatron", "megatron-to-hf-mode": "bridge"}, DATA,
+         ("--megatron-to-hf-mode bridge", "megatron-bridge", "Python >= 3.12", "scripts/ensure-venv-megatron",
+          "--megatron-to-hf-mode raw")),
     Case("megatron-unmapped-family", {"train-backend": "megatron", "hf-checkpoint": "{tmp}/m"}, DATA,
          ("--hf-checkpoint", "model_type 'gpt2'", "llama, qwen2, qwen3", "--train-backend torch"),
          lambda tmp, model: _as_model_type(tmp / "m", model, "gpt2")),
@@ -276,6 +279,8 @@ def test_bad_input_is_refused_naming_where_and_the_fix(case: Case, tmp_path: Pat
     if case.id == "megatron-not-installed":  # megatron-core is part of this environment: make it unimportable,
         for name in ["megatron", *(n for n in sys.modules if n.startswith("megatron."))]:  # imported ones too
             monkeypatch.setitem(sys.modules, name, None)
+    if case.id == "megatron-bridge-not-installed":  # absent on 3.11; made unimportable where it is installed
+        monkeypatch.setitem(sys.modules, "megatron.bridge", None)
     for name, content in case.files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, bytes):
@@ -410,3 +415,16 @@ def test_module_available_answers_for_a_missing_parent_package():
 def test_preflight_errors_are_config_errors():
     # the pipeline's engine runner maps ConfigError to "configuration failure, do not retry"
     assert issubclass(PreflightError, ConfigError)
+
+
+def test_bridge_mode_refuses_a_family_the_engine_does_not_build_naming_what_is_missing(tmp_path: Path,
+                                                                                        tiny_model: Path):
+    # Where Megatron-Bridge is installed (the 3.12 lane, the CUDA image) preflight gets past its install check; the
+    # model is then refused because the engine builds the model itself, from our mapping's families.
+    from vime_engine.preflight import _check_megatron_mapping
+
+    _as_model_type(tmp_path / "m", tiny_model, "deepseek_v3")
+    with pytest.raises(ConfigError) as info:
+        _check_megatron_mapping(str(tmp_path / "m"), "--hf-checkpoint", "bridge")
+    message = str(info.value)
+    assert "model_type 'deepseek_v3'" in message and "from Megatron-Bridge's model providers is not wired" in message

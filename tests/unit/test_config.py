@@ -80,6 +80,16 @@ def test_parallel_sizes_need_the_megatron_backend():
         build_config([*QWEN3_DISAGGREGATED, "--tensor-model-parallel-size", "2"])
 
 
+def test_megatron_to_hf_mode_needs_the_megatron_backend_and_takes_its_two_values():
+    with pytest.raises(ConfigError, match="--megatron-to-hf-mode bridge converts a Megatron model's weights; the "
+                                          "torch backend trains the HF model itself"):
+        build_config([*QWEN3_DISAGGREGATED, "--megatron-to-hf-mode", "bridge"])
+    with pytest.raises(ConfigError, match="--megatron-to-hf-mode"):
+        build_config([*QWEN3_DISAGGREGATED, "--train-backend", "megatron", "--megatron-to-hf-mode", "core"])
+    cfg = build_config([*QWEN3_DISAGGREGATED, "--train-backend", "megatron", "--megatron-to-hf-mode", "bridge"])
+    assert cfg.train.megatron_to_hf_mode == "bridge" and "megatron_to_hf_mode" not in cfg.math_fields()
+
+
 def test_unknown_flag_names_a_close_match():
     with pytest.raises(ConfigError, match=r"unknown flag --rollout-batchsize \(did you mean --rollout-batch-size\?\)"):
         parse_flags(["--rollout-batchsize", "4"])

@@ -71,6 +71,10 @@ def check_combinations(cfg: EngineConfig) -> None:
     _check_tracking(cfg.logging)
     if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save is None:
         raise ConfigError("--save-interval needs --save DIR")
+    if t.megatron_to_hf_mode != "raw" and t.train_backend != "megatron":
+        raise ConfigError(f"--megatron-to-hf-mode {t.megatron_to_hf_mode} converts a Megatron model's weights; the "
+                          f"{t.train_backend} backend trains the HF model itself: drop the flag or use "
+                          "--train-backend megatron")
     _check_parallel_layout(cfg)
 
 

@@ -241,6 +241,10 @@ class TrainConfig(_Section):
         "torch", description="torch: an HF model, data parallel by DDP; fsdp: the same with parameters, gradients "
         "and optimizer state sharded over the ranks (FSDP2); megatron: Megatron-Core, with tensor, pipeline, "
         "expert and data parallelism")
+    megatron_to_hf_mode: Literal["raw", "bridge"] = non_math(
+        "raw", description="megatron: how weights cross between HF and Megatron (initial load, weight sync, "
+        "--save-hf, vimeflow convert): raw, the engine's own mapping; bridge, Megatron-Bridge's AutoBridge (Python "
+        ">= 3.12; the same tensors)")
     global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step")
     num_steps_per_rollout: int | None = Field(
         None, ge=1, description="optimizer steps per rollout; default: the rollout's samples / --global-batch-size"

@@ -32,9 +32,6 @@ _DIST_OPTIMIZER = ("needs Megatron's distributed optimizer (--use-distributed-op
 
 VIME_ONLY_FLAGS: dict[str, VimeOnlyFlag] = {
     "rollout-backend": VimeOnlyFlag(str, "this engine generates with vLLM only (SGLang is not built)", runs_at="vllm"),
-    "megatron-to-hf-mode": VimeOnlyFlag(
-        str, "Megatron weights become HF weights through the engine's own mapping (vime's raw mode, "
-        "vime_engine/train/megatron_hf.py); Megatron-Bridge mode is not built", runs_at="raw"),
     "update-weight-mode": VimeOnlyFlag(
         str, "every sync sends the full weights; vime's delta sync is not built (vime disables it too)",
         runs_at="full"),

@@ -89,6 +89,9 @@ class MegatronTrainBackend:
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=self.layout.grad_reduce_in_fp32, overlap_grad_reduce=False)
         self.initial_weights = initial_weights(cfg)
+        # --megatron-to-hf-mode: how HF weights enter (an HF initial or reference model) and leave (the weight sync,
+        # --save-hf) the Megatron model.
+        self.hf_mapping = mm.hf_mapping(cfg.train.megatron_to_hf_mode, self.arch, cfg.model.hf_checkpoint)
         # Routing replay (vime_engine.train.megatron_routing_replay): "rollout" replays each sample's engine routing
         # (R3), "old_policy" the rollout's old-policy forward's (R2); None routes freely. The policy alone replays.
         a = cfg.algorithm
@@ -102,7 +105,8 @@ class MegatronTrainBackend:
                 raise mm.MegatronSetupError(f"{flag}: the model has no experts to route")
             check_replay_layout(cfg.megatron, flag)
         self.model = mm.build_model_from(self.initial_weights, self.arch, self.layout, self.dtype, self.accelerator,
-                                         ddp_config=ddp, routing_replay=self.routing_replay is not None)
+                                         ddp_config=ddp, routing_replay=self.routing_replay is not None,
+                                         mapping=self.hf_mapping)
         self.router_replay = None
         if self.routing_replay is not None:
             from vime_engine.train.megatron_routing_replay import MegatronRouterReplay
@@ -113,7 +117,9 @@ class MegatronTrainBackend:
         if needs_reference(cfg):
             ref_dir = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
             ref_arch = mm.architecture_of(ref_dir)
-            self.ref_model = mm.build_model_from(ref_dir, ref_arch, self.layout, self.dtype, self.accelerator)
+            ref_mapping = mm.hf_mapping(cfg.train.megatron_to_hf_mode, ref_arch, ref_dir)
+            self.ref_model = mm.build_model_from(ref_dir, ref_arch, self.layout, self.dtype, self.accelerator,
+                                                 mapping=ref_mapping)
             for chunk in self.ref_model:
                 chunk.eval().requires_grad_(False)
         t = cfg.train
@@ -339,7 +345,7 @@ class MegatronTrainBackend:
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The policy's full weights in HF names (gathered over TP/PP; collective: every rank must iterate);
         `lm_head.weight` always included (vLLM needs it even when tied)."""
-        for name, tensor in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=True):
+        for name, tensor in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=True, mapping=self.hf_mapping):
             yield name, tensor.detach()
 
     def save_hf(self, directory: str | Path, tokenizer_from: str | None = None) -> Path:
@@ -347,7 +353,8 @@ class MegatronTrainBackend:
         from vime_engine.train.megatron_hf import copy_non_weight_files
 
         directory = Path(directory)
-        weights = {name: t.cpu() for name, t in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=False)}
+        weights = {name: t.cpu() for name, t in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=False,
+                                                                         mapping=self.hf_mapping)}
         if torch.distributed.get_rank() == 0:
             self.mm.save_hf_weights(weights, directory)
             copy_non_weight_files(Path(tokenizer_from or self.cfg.model.hf_checkpoint), directory)
@@ -396,7 +403,7 @@ class MegatronTrainBackend:
         """torch_dist loads into the model's parameters and the optimizer's state in place: after a load that is
         refused, the trainer as it was built again (the initial weights, an optimizer that has taken no step), so a
         run with no other checkpoint to resume from starts from its initial weights, as with the torch backends."""
-        self.mm.load_weights_from(self.model, self.initial_weights, self.arch)
+        self.mm.load_weights_from(self.model, self.initial_weights, self.arch, self.hf_mapping)
         for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             optimizer.optimizer.state.clear()  # torch's Adam makes its moments again at its first step
         self.optimizer.reload_model_params()  # mixed precision: the fp32 main copies from the weights

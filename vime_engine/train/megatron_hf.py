@@ -71,10 +71,15 @@ def copy_non_weight_files(source: Path, dest: Path) -> None:
                 shutil.copy2(path, dest / path.name)
 
 
+def hf_config_dir(path: str | Path) -> Path:
+    """Where the HF config of an HF directory or of a converted checkpoint (kept beside its weights) lies."""
+    path = Path(path)
+    return path / HF_CONFIG_DIR if is_converted_checkpoint(path) else path
+
+
 def architecture_of(path: str | Path) -> HFArchitecture:
     """The architecture of an HF directory or of a converted checkpoint (from the config kept beside it)."""
-    path = Path(path)
-    return HFArchitecture.from_pretrained(path / HF_CONFIG_DIR if is_converted_checkpoint(path) else path)
+    return HFArchitecture.from_pretrained(hf_config_dir(path))
 
 
 class UnsupportedHFModel(ValueError):

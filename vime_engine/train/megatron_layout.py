@@ -7,7 +7,10 @@ it, and the mapping must stay importable where Megatron is not installed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+# --megatron-to-hf-mode: how weights cross between HF tensors and the Megatron model (megatron_model.hf_mapping).
+MegatronToHFMode = Literal["raw", "bridge"]
 
 
 class MegatronSetupError(ValueError):

@@ -10,22 +10,59 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from torch import Tensor
 
 from vime_engine.devices.accelerator import Accelerator
 from vime_engine.train import megatron_hf as mh
-from vime_engine.train.megatron_layout import MegatronSetupError, ParallelLayout
+from vime_engine.train.megatron_layout import MegatronSetupError, MegatronToHFMode, ParallelLayout
 from vime_engine.train.megatron_hf import (  # noqa: F401  (the converted layout, re-exported for convert.py)
     HF_CONFIG_DIR,
     TORCH_DIST_ITERATION_DIR,
     HFArchitecture,
     architecture_of,
+    hf_config_dir,
     is_converted_checkpoint,
 )
+
+
+class HFMapping(Protocol):
+    """How HF tensors enter and leave this rank's Megatron model (`--megatron-to-hf-mode`): raw, the engine's own
+    mapping (megatron_hf.py), or bridge, Megatron-Bridge's AutoBridge (megatron_bridge.py)."""
+
+    def load(self, chunks: list[torch.nn.Module], hf_dir: str | Path) -> None:
+        """An HF directory's tensors into this rank's parameter shards of the unwrapped GPT chunks."""
+
+    def export(self, chunks: list[torch.nn.Module], with_lm_head: bool) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) of the whole model on every rank; collective over TP/PP/EP ranks."""
+
+
+@dataclass(frozen=True)
+class RawMapping:
+    arch: HFArchitecture
+
+    def load(self, chunks: list[torch.nn.Module], hf_dir: str | Path) -> None:
+        mh.load_hf_weights(chunks, self.arch, hf_dir)
+
+    def export(self, chunks: list[torch.nn.Module], with_lm_head: bool) -> Iterator[tuple[str, Tensor]]:
+        return mh.export_hf_weights(chunks, self.arch, with_lm_head)
+
+
+def hf_mapping(mode: MegatronToHFMode, arch: HFArchitecture, source: str | Path) -> HFMapping:
+    """The mapping of `--megatron-to-hf-mode` for the model of `source` (an HF directory or a converted checkpoint)."""
+    if mode == "raw":
+        return RawMapping(arch)
+    if mode == "bridge":
+        from vime_engine.train.megatron_bridge import BridgeMapping
+
+        return BridgeMapping(arch, hf_config_dir(source))
+    raise ValueError(f"--megatron-to-hf-mode {mode!r}: expected raw or bridge")
 
 
 def init_distributed(accelerator: Accelerator, layout: ParallelLayout, seed: int) -> None:
@@ -79,9 +116,11 @@ def build_model(
     hf_dir: str | Path | None = None,
     ddp_config: Any = None,
     routing_replay: bool = False,
+    mapping: HFMapping | None = None,
 ) -> list[torch.nn.Module]:
     """This rank's Megatron GPT model (one chunk: its pipeline stage), with the HF weights of `hf_dir` loaded
-    when given (otherwise Megatron's random init, e.g. before loading a torch_dist checkpoint).
+    through `mapping` (default: raw) when given (otherwise Megatron's random init, e.g. before loading a torch_dist
+    checkpoint).
 
     Mixed-precision wrapper for bf16 / fp16, Megatron's DDP wrapper when `ddp_config` is given; with
     `routing_replay`, a RouterReplay in every MoE layer's router (vime_engine.train.megatron_routing_replay).
@@ -92,6 +131,9 @@ def build_model(
 
     config = mh.transformer_config(arch, layout, dtype, use_cpu_initialization=accelerator.kind == "cpu")
     config.moe_enable_routing_replay = routing_replay  # read by each router as it is built
+    # Megatron-Bridge reads the tying from the model's config (its providers carry the field; GPTModel takes it as an
+    # argument): without it the bridge would map the last pipeline stage's output layer to a missing lm_head.weight.
+    config.share_embeddings_and_output_weights = arch.tied_embeddings
     model: torch.nn.Module = GPTModel(
         config, mh.layer_spec(arch, config), vocab_size=arch.padded_vocab_size(layout.tensor),
         max_sequence_length=arch.max_positions, pre_process=parallel_state.is_pipeline_first_stage(),
@@ -102,7 +144,7 @@ def build_model(
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     model.to(accelerator.torch_device)
     if hf_dir is not None:
-        mh.load_hf_weights([model], arch, hf_dir)
+        (mapping or RawMapping(arch)).load([model], hf_dir)
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
     if ddp_config is not None:
@@ -118,22 +160,24 @@ def build_model_from(
     accelerator: Accelerator,
     ddp_config: Any = None,
     routing_replay: bool = False,
+    mapping: HFMapping | None = None,
 ) -> list[torch.nn.Module]:
-    """`build_model` with the weights of `source`: an HF directory, or a torch_dist checkpoint written by
-    vime_engine.convert (read in any parallel layout: torch_dist reshards on load)."""
+    """`build_model` with the weights of `source`: an HF directory (read through `mapping`), or a torch_dist
+    checkpoint written by vime_engine.convert (read in any parallel layout: torch_dist reshards on load)."""
     if not is_converted_checkpoint(source):
         return build_model(arch, layout, dtype, accelerator, hf_dir=source, ddp_config=ddp_config,
-                           routing_replay=routing_replay)
+                           routing_replay=routing_replay, mapping=mapping)
     model = build_model(arch, layout, dtype, accelerator, ddp_config=ddp_config, routing_replay=routing_replay)
     load_weights_from(model, source, arch)
     return model
 
 
-def load_weights_from(model: list[torch.nn.Module], source: str | Path, arch: HFArchitecture) -> None:
-    """Put the weights of `source` (an HF directory, or a torch_dist checkpoint written by vime_engine.convert) into
-    this rank's built model."""
+def load_weights_from(model: list[torch.nn.Module], source: str | Path, arch: HFArchitecture,
+                      mapping: HFMapping | None = None) -> None:
+    """Put the weights of `source` (an HF directory, read through `mapping`, or a torch_dist checkpoint written by
+    vime_engine.convert) into this rank's built model."""
     if not is_converted_checkpoint(source):
-        mh.load_hf_weights([unwrap(chunk) for chunk in model], arch, source)
+        (mapping or RawMapping(arch)).load([unwrap(chunk) for chunk in model], source)
         return
     loaded = load_torch_dist(model_sharded_state_dict(model), Path(source) / TORCH_DIST_ITERATION_DIR)
     for i, chunk in enumerate(model):
@@ -192,7 +236,8 @@ def save_hf_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def hf_weight_stream(arch: HFArchitecture, model: list[torch.nn.Module], with_lm_head: bool):
-    """(HF name, tensor) of the full model (collective over TP/PP ranks: every rank must iterate); with tied
-    embeddings `lm_head.weight` too when `with_lm_head` (vLLM needs it)."""
-    return mh.export_hf_weights([unwrap(chunk) for chunk in model], arch, with_lm_head)
+def hf_weight_stream(arch: HFArchitecture, model: list[torch.nn.Module], with_lm_head: bool,
+                     mapping: HFMapping | None = None) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, tensor) of the full model through `mapping` (default: raw; collective over TP/PP ranks: every rank
+    must iterate); with tied embeddings `lm_head.weight` too when `with_lm_head` (vLLM needs it)."""
+    return (mapping or RawMapping(arch)).export([unwrap(chunk) for chunk in model], with_lm_head)

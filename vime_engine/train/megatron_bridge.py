@@ -1,0 +1,153 @@
+"""`--megatron-to-hf-mode bridge`: Megatron-Bridge's AutoBridge moves the weights between HF tensors and the Megatron
+model this engine builds, where the raw mode uses our own mapping (megatron_hf.py).
+
+It acts wherever HF weights cross into or out of Megatron: the policy's and the reference's initial weights from an HF
+directory, the weight sync's HF-named stream (gathered over tensor-, pipeline- and expert-parallel ranks; collective),
+`--save-hf`, and `vimeflow convert` in both directions. The model itself is still built from the HF config by
+megatron_hf (`HFArchitecture`, `transformer_config`), so the families are those the engine builds; the two modes give
+the same torch_dist layout and the same HF tensors (tests/megatron/test_hf_mapping.py), so a checkpoint written in one
+mode loads in the other. Building DeepSeek-V3 or GLM-4.5 from the bridge's model providers is not wired.
+
+Megatron-Bridge needs Python >= 3.12 (megatron-core >= 0.17): the Megatron lane's venv and the images have it, the
+main venv does not, and preflight refuses the mode there. Its LoRA layers import Transformer Engine at module level;
+where TE is not installed (CPU) a placeholder stands in for it during that import only, so megatron-core's own
+`try: import transformer_engine` still fails afterwards and the model keeps Megatron's local layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vime_engine.train.megatron_hf import (
+    EMBED,
+    LM_HEAD,
+    HFArchitecture,
+    UnsupportedHFModel,
+    safetensors_files,
+    transformer_engine_available,
+)
+
+
+class _Placeholder(type):
+    """A class no object is an instance of; its attributes are further placeholders (TE's layer classes, which the
+    bridge's LoRA wrappers name in isinstance checks and base classes)."""
+
+    def __getattr__(cls, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder(name, (), {})
+
+
+def _placeholder_module(name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__getattr__ = lambda attr: _Placeholder(attr, (), {})  # type: ignore[method-assign]
+    module.__path__ = []  # a package, so `transformer_engine.pytorch` resolves
+    module.__version__ = "0.0.0"  # megatron-core caches TE's version: 0.0.0 reads as "no TE features"
+    return module
+
+
+@contextlib.contextmanager
+def _transformer_engine_placeholder():
+    te, te_pytorch = _placeholder_module("transformer_engine"), _placeholder_module("transformer_engine.pytorch")
+    te.pytorch = te_pytorch
+    sys.modules.update({"transformer_engine": te, "transformer_engine.pytorch": te_pytorch})
+    try:
+        yield
+    finally:
+        for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
+            del sys.modules[name]
+
+
+def auto_bridge_class() -> type:
+    """Megatron-Bridge's AutoBridge, imported after megatron-core's layer modules (which must see no TE when there is
+    none) and, without TE, with the placeholder in place for the bridge's own import."""
+    if transformer_engine_available():
+        return importlib.import_module("megatron.bridge").AutoBridge
+    for name in ("megatron.core.extensions", "megatron.core.models.gpt.gpt_layer_specs",
+                 "megatron.core.models.gpt.experimental_attention_variant_module_specs", "megatron.core.transformer",
+                 "megatron.core.tensor_parallel"):
+        importlib.import_module(name)
+    with _transformer_engine_placeholder():
+        bridge = importlib.import_module("megatron.bridge")
+        importlib.import_module("megatron.bridge.models.conversion.auto_bridge")
+        importlib.import_module("megatron.bridge.peft.lora_layers")
+    return bridge.AutoBridge
+
+
+class BridgeMapping:
+    """The HF <-> Megatron weights of one model through AutoBridge (the `HFMapping` of megatron_model.py).
+
+    Megatron-Bridge skips, with a warning, a parameter it has no mapping or no HF tensor for, which would leave it at
+    its random init (or missing from the export): here every parameter of this rank must be covered, or the model is
+    refused naming the parameters. With the whole model on one rank, every tensor of the HF files must be read too.
+    """
+
+    def __init__(self, arch: HFArchitecture, hf_config_dir: str | Path):
+        from transformers import AutoConfig
+
+        self.arch = arch
+        config = AutoConfig.from_pretrained(str(hf_config_dir))
+        try:
+            self.bridge = auto_bridge_class().from_hf_config(config)
+        except ValueError as exc:
+            raise UnsupportedHFModel(f"{hf_config_dir}: Megatron-Bridge has no bridge for this model "
+                                     f"({' '.join(str(exc).split())[:300]})") from None
+        self.config = config
+
+    def load(self, chunks: list[torch.nn.Module], hf_dir: str | Path) -> None:
+        """Copy the HF directory's tensors into this rank's parameter shards of the unwrapped GPT modules (the bridge
+        splits them over TP/EP)."""
+        tasks = self.bridge.get_conversion_tasks(chunks, hf_path=str(hf_dir))
+        self._check_covered(tasks, chunks, f"{hf_dir}")
+        self._check_all_read(tasks, Path(hf_dir))
+        self.bridge.load_hf_weights(chunks, hf_path=str(hf_dir))
+
+    def export(self, chunks: list[torch.nn.Module], with_lm_head: bool) -> Iterator[tuple[str, Tensor]]:
+        """Every HF tensor of the (unwrapped) model on every rank (collective: every rank must iterate to the end);
+        with tied embeddings `lm_head.weight` too when `with_lm_head` (vLLM needs it), as the raw mode gives it."""
+        # The config-only bridge: the names come from the mapping, not from an HF directory's files.
+        tasks = self.bridge._model_bridge.build_conversion_tasks(self.config, chunks)
+        self._check_covered(tasks, chunks, "the export")
+        tied = self.arch.tied_embeddings
+        for name, tensor in self.bridge.export_hf_weights(chunks, cpu=False, show_progress=False,
+                                                          conversion_tasks=tasks):
+            if name == LM_HEAD and tied:
+                continue  # a config-only bridge names the shared matrix twice; given below only when asked
+            yield name, tensor
+            if name == EMBED and tied and with_lm_head:
+                yield LM_HEAD, tensor
+
+    def _check_covered(self, tasks, chunks: list[torch.nn.Module], where: str) -> None:
+        covered = {(t.vp_stage, t.param_name) for t in tasks if t is not None and t.megatron_module is not None}
+        # Tied embeddings under pipeline parallelism: the last stage's copy of the shared matrix is not mapped; the
+        # bridge fills it from the first stage's on load, and the first stage's is the one exported.
+        shared = {"output_layer.weight"} if self.arch.tied_embeddings else set()
+        missing = [name for i, chunk in enumerate(chunks) for name, _ in chunk.named_parameters()
+                   if (i, name) not in covered and name not in shared]
+        if missing:
+            raise UnsupportedHFModel(f"{where}: Megatron-Bridge maps no HF tensor to the Megatron parameters "
+                                     f"{missing[:5]} (use --megatron-to-hf-mode raw)")
+
+    def _check_all_read(self, tasks, hf_dir: Path) -> None:
+        from megatron.core import parallel_state as ps
+
+        whole_model = (ps.get_pipeline_model_parallel_world_size() == 1
+                       and ps.get_expert_model_parallel_world_size() == 1)
+        if not whole_model:
+            return  # the other ranks read the rest
+        read = set()
+        for task in tasks:
+            if task is not None:
+                hf = task.mapping.hf_param
+                read.update([hf] if isinstance(hf, str) else hf.values())
+        unused = set(safetensors_files(hf_dir)) - read - ({LM_HEAD} if self.arch.tied_embeddings else set())
+        if unused:
+            raise UnsupportedHFModel(f"{hf_dir}: tensors Megatron-Bridge's mapping does not use: {sorted(unused)[:5]}")
