@@ -6,13 +6,11 @@ stand-in speaking vLLM's `/inference/v1/generate` (a vLLM server would add half 
 
 from __future__ import annotations
 
-import json
 import threading
-from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from tests.support.http_server import BackgroundHTTPServer
+from tests.support.http_server import StandIn
 from vime_engine.rollout.server.router import Router, RouterOptions
 from vime_engine.rollout.server.router_engine import RouterAddress, RouterEngine
 from vime_engine.rollout.vllm_engine import Request, SamplingSettings
@@ -21,33 +19,6 @@ from vime_engine.sample import SampleStatus
 SAMPLING = SamplingSettings(max_tokens=4, temperature=1.0, top_p=1.0, top_k=-1)
 ANSWER = {"choices": [{"token_ids": [7, 8], "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -1.0}]},
                        "finish_reason": "stop"}]}
-
-
-class StandInServer(BackgroundHTTPServer):
-    """Answers /health and every generate request (kept in `bodies`) with ANSWER."""
-
-    def __init__(self):
-        self.bodies: list[dict] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                self._reply(b"")
-
-            def do_POST(self) -> None:  # noqa: N802
-                outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self._reply(json.dumps(ANSWER).encode())
-
-            def _reply(self, data: bytes) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        super().__init__(Handler)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +33,7 @@ def _engine(router: Router, resend: bool) -> RouterEngine:
 
 
 def test_a_request_that_finds_no_server_is_posted_again_until_one_joins(router):
-    engine, server = _engine(router, resend=True), StandInServer().start()
+    engine, server = _engine(router, resend=True), StandIn(lambda path, headers, body: (200, ANSWER)).start()
     try:
         engine.submit([Request("3/1", [5, 6, 7], 4, seed=1234)], SAMPLING)
         threading.Timer(1.5, router.add, [server.url]).start()  # the replacement joins while the request waits
@@ -70,8 +41,8 @@ def test_a_request_that_finds_no_server_is_posted_again_until_one_joins(router):
         while not done:
             done = engine.step()
         assert (done[0].token_ids, done[0].log_probs, done[0].status) == ([7, 8], [-0.5, -1.0], SampleStatus.COMPLETED)
-        assert [body["token_ids"] for body in server.bodies] == [[5, 6, 7]]
-        assert server.bodies[0]["sampling_params"]["seed"] == 1234
+        assert [body["token_ids"] for _, _, body in server.requests] == [[5, 6, 7]]
+        assert server.requests[0][2]["sampling_params"]["seed"] == 1234
     finally:
         router.remove(server.url)
         engine.close()

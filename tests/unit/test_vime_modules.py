@@ -6,12 +6,9 @@ stand-in router speaking vLLM's `/inference/v1/generate` (no vLLM here)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +16,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.support.http_server import BackgroundHTTPServer
+from tests.support.http_server import Answer, StandIn
 from vime_engine.agents.retrieval_server import CORPUS, retrieve, start_retrieval_server
 from vime_engine.plugins.loading import import_function
 from vime_engine.plugins.request_seeds import request_seed
@@ -30,32 +27,6 @@ from vime_engine.sample import ENVIRONMENT_LOG_PROB, Sample, SampleStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "sampling_seed": 7}
-Answer = Callable[[str, dict[str, str], Any], tuple[int, Any]]  # (path, headers, body) -> (status, JSON body)
-
-
-class StandIn(BackgroundHTTPServer):
-    """A local service answering every POST with `answer`; `requests` holds what it was sent."""
-
-    def __init__(self, answer: Answer):
-        self.requests: list[tuple[str, dict[str, str], Any]] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                headers = {k.lower(): v for k, v in self.headers.items()}
-                outer.requests.append((self.path, headers, body))
-                status, reply = answer(self.path, headers, body)
-                data = reply.encode() if isinstance(reply, str) else json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        super().__init__(Handler)
 
 
 @pytest.fixture
