@@ -348,7 +348,7 @@ def convert(
     mode)."""
     from vime_engine.convert import convert_checkpoint
     from vime_engine.devices.accelerator import resolve_accelerator
-    from vime_engine.preflight import require_megatron, require_megatron_bridge
+    from vime_engine.preflight import PreflightError, require_megatron, require_megatron_bridge
 
     if megatron_to_hf_mode not in ("raw", "bridge"):
         raise typer.BadParameter(f"{megatron_to_hf_mode!r}: expected raw or bridge", param_hint="--megatron-to-hf-mode")
@@ -356,7 +356,7 @@ def convert(
         require_megatron()
         if megatron_to_hf_mode == "bridge":
             require_megatron_bridge()
-    except Exception as exc:  # noqa: BLE001
+    except PreflightError as exc:
         raise _fail(exc, verbose=False) from None
     result = convert_checkpoint(source, dest, direction, resolve_accelerator(), mode=megatron_to_hf_mode)
     console.print(f"converted: {result}")
