@@ -26,10 +26,23 @@ def _weights(backend: MegatronTrainBackend) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in backend.named_weights()}
 
 
+def _model_dims(model_dir) -> tuple[dict, dict[str, int]]:
+    """config.json and the dimensions tests/support/tolerance.py bounds fp32 rounding by."""
+    model = json.loads((model_dir / "config.json").read_text())
+    return model, {"hidden_size": model["hidden_size"], "num_layers": model["num_hidden_layers"]}
+
+
+def _assert_metrics_close(metrics: dict[str, float], expected: dict[str, float], keys: tuple[str, ...],
+                          dims: dict[str, int]) -> None:
+    """Two implementations' step metrics agree to fp32 rounding of their magnitude."""
+    for key in keys:
+        bound = fp32_tolerance(expected[key], dims["hidden_size"], model_depth(dims["num_layers"]))
+        assert abs(metrics[key] - expected[key]) <= bound, key
+
+
 def test_log_probs_and_training_match_the_torch_backend(tiny_qwen3):
     # Two implementations of one forward: they agree to fp32 rounding (tests/support/tolerance.py), not bit for bit.
-    model = json.loads((tiny_qwen3 / "config.json").read_text())
-    dims = {"hidden_size": model["hidden_size"], "num_layers": model["num_hidden_layers"]}
+    _, dims = _model_dims(tiny_qwen3)
     cfg = tiny_config(tiny_qwen3)
     megatron, reference = MegatronTrainBackend(cfg), TorchTrainBackend(cfg)
     samples = fixed_rollout(megatron.vocab_size)
@@ -41,9 +54,8 @@ def test_log_probs_and_training_match_the_torch_backend(tiny_qwen3):
     before = _weights(megatron)
     metrics = megatron.train_rollout(samples)
     expected = reference.train_rollout(samples)
-    for key in ("train/pg_loss", "train/ppo_kl", "train/train_rollout_logprob_abs_diff", "train/entropy_loss"):
-        bound = fp32_tolerance(expected[key], dims["hidden_size"], model_depth(dims["num_layers"]))
-        assert abs(metrics[key] - expected[key]) <= bound, key
+    _assert_metrics_close(metrics, expected, ("train/pg_loss", "train/ppo_kl", "train/train_rollout_logprob_abs_diff",
+                                              "train/entropy_loss"), dims)
     after = _weights(megatron)
     torch_state = dict(reference.named_weights())
     assert set(after) == set(torch_state)
@@ -58,17 +70,14 @@ def test_log_probs_and_training_match_the_torch_backend(tiny_qwen3):
 def test_the_moe_model_through_megatrons_moe_layers_matches_the_torch_backend(tiny_qwen3_moe):
     # The same routing (top-2 of 8, renormalised) in two implementations: log-probs and the step's losses agree to
     # fp32 rounding; the step moves both models to the same log-probs again.
-    model = json.loads((tiny_qwen3_moe / "config.json").read_text())
-    dims = {"hidden_size": model["hidden_size"], "num_layers": model["num_hidden_layers"]}
+    _, dims = _model_dims(tiny_qwen3_moe)
     cfg = tiny_config(tiny_qwen3_moe)
     megatron, reference = MegatronTrainBackend(cfg), TorchTrainBackend(cfg)
     samples = fixed_rollout(megatron.vocab_size)
     assert_fp32_close(megatron.log_probs(samples), reference.log_probs(samples), **dims)
 
     metrics, expected = megatron.train_rollout(samples), reference.train_rollout(samples)
-    for key in ("train/pg_loss", "train/ppo_kl", "train/entropy_loss"):
-        bound = fp32_tolerance(expected[key], dims["hidden_size"], model_depth(dims["num_layers"]))
-        assert abs(metrics[key] - expected[key]) <= bound, key
+    _assert_metrics_close(metrics, expected, ("train/pg_loss", "train/ppo_kl", "train/entropy_loss"), dims)
     assert_fp32_close(megatron.log_probs(samples), reference.log_probs(samples), **dims)
     source = load_file(tiny_qwen3_moe / "model.safetensors")
     trained = _weights(megatron)
@@ -137,8 +146,7 @@ def _move_routers(named_parameters, suffix: str) -> None:
 def test_rollout_routing_replay_sends_every_token_of_every_forward_to_the_engines_experts(tiny_qwen3_moe):
     # The engine's routing recorded by a reference forward (HF's, of the initial weights: vLLM on CPU cannot return
     # it); the trainer's routers moved since. Two optimizer steps: the old-log-prob pass replays too.
-    model = json.loads((tiny_qwen3_moe / "config.json").read_text())
-    dims = {"hidden_size": model["hidden_size"], "num_layers": model["num_hidden_layers"]}
+    model, dims = _model_dims(tiny_qwen3_moe)
     reference = TorchTrainBackend(tiny_config(tiny_qwen3_moe))
     samples = fixed_rollout(model["vocab_size"])
     recording = RoutingPass()
@@ -162,9 +170,7 @@ def test_rollout_routing_replay_sends_every_token_of_every_forward_to_the_engine
     assert _agreement(old, records) == _agreement(trained, records) == 1.0  # 100% of the tokens
     # Megatron's replay (softmax over the recorded experts' logits) trains as the torch backends' hook does.
     expected = torch_trainer.train_rollout(samples)
-    for key in ("train/pg_loss", "train/ppo_kl", "train/entropy_loss"):
-        bound = fp32_tolerance(expected[key], dims["hidden_size"], model_depth(dims["num_layers"]))
-        assert abs(metrics[key] - expected[key]) <= bound, key
+    _assert_metrics_close(metrics, expected, ("train/pg_loss", "train/ppo_kl", "train/entropy_loss"), dims)
     assert 0 < metrics["train/routing_replay_match"] < 1
     # The torch backend's count of the same decisions (equal here; a near tie may round the other way elsewhere).
     assert metrics["train/routing_replay_match"] == pytest.approx(expected["train/routing_replay_match"], abs=0.01)
