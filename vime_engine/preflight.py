@@ -268,11 +268,7 @@ def _check_moe_aux_loss(coefficient: float, model_config: dict[str, Any], config
 
 def _check_routing_replay(cfg: EngineConfig, model_config: dict[str, Any], config_file: Path) -> None:
     """Routing replay needs a mixture-of-experts model whose router the trainer can replay."""
-    from vime_engine.train.routing_replay import REPLAYABLE_MODEL_TYPES  # imports torch: only for a run that replays
-
-    a = cfg.algorithm
-    flag = ("--use-rollout-routing-replay" if a.use_rollout_routing_replay
-            else "--use-routing-replay" if a.use_routing_replay else None)
+    flag = cfg.algorithm.routing_replay_flag
     if flag is None:
         return
     if not HFView(model_config).num_experts:
@@ -287,6 +283,8 @@ def _check_routing_replay(cfg: EngineConfig, model_config: dict[str, Any], confi
         except MegatronSetupError as exc:
             raise PreflightError(str(exc)) from None
         return
+    from vime_engine.train.routing_replay import REPLAYABLE_MODEL_TYPES  # imports torch: only for a run that replays
+
     model_type = model_config.get("model_type")
     if model_type not in REPLAYABLE_MODEL_TYPES:
         raise PreflightError(f"{flag}: the torch backends replay the router of {', '.join(REPLAYABLE_MODEL_TYPES)} "

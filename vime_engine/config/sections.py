@@ -235,6 +235,20 @@ class AlgorithmConfig(_Section):
             raise ValueError(f"--advantage-estimator {value!r}: expected one of {', '.join(ESTIMATORS)}")
         return value
 
+    @property
+    def routing_replay(self) -> Literal["rollout", "old_policy"] | None:
+        """Which routing the policy's forwards replay: the engine's (R3), the rollout's old-policy forward's (R2), or
+        none (the routers choose)."""
+        if self.use_rollout_routing_replay:
+            return "rollout"
+        return "old_policy" if self.use_routing_replay else None
+
+    @property
+    def routing_replay_flag(self) -> str | None:
+        """The flag that asked for `routing_replay`, for messages."""
+        return {"rollout": "--use-rollout-routing-replay", "old_policy": "--use-routing-replay"}.get(
+            self.routing_replay)
+
 
 class TrainConfig(_Section):
     train_backend: Literal["torch", "fsdp", "megatron"] = Field(

@@ -94,13 +94,11 @@ class MegatronTrainBackend:
         self.hf_mapping = mm.hf_mapping(cfg.train.megatron_to_hf_mode, self.arch, cfg.model.hf_checkpoint)
         # Routing replay (vime_engine.train.megatron_routing_replay): "rollout" replays each sample's engine routing
         # (R3), "old_policy" the rollout's old-policy forward's (R2); None routes freely. The policy alone replays.
-        a = cfg.algorithm
-        self.routing_replay = ("rollout" if a.use_rollout_routing_replay
-                               else "old_policy" if a.use_routing_replay else None)
+        self.routing_replay = cfg.algorithm.routing_replay
         if self.routing_replay is not None:
             from vime_engine.train.megatron_routing_replay import check_replay_layout
 
-            flag = "--use-rollout-routing-replay" if self.routing_replay == "rollout" else "--use-routing-replay"
+            flag = cfg.algorithm.routing_replay_flag
             if self.arch.moe is None:
                 raise mm.MegatronSetupError(f"{flag}: the model has no experts to route")
             check_replay_layout(cfg.megatron, flag)

@@ -62,7 +62,7 @@ def old_log_probs_from_training_forward(cfg: EngineConfig, num_samples: int) -> 
     alg = cfg.algorithm
     kl_in_advantages = ESTIMATORS[alg.advantage_estimator].uses_reward_kl and alg.kl_coef != 0
     kl_in_advantages |= alg.custom_advantage_function_path is not None  # vime's function may read them
-    records_routing = alg.use_routing_replay and not alg.use_rollout_routing_replay
+    records_routing = alg.routing_replay == "old_policy"
     return len(global_batches(num_samples, cfg.global_batch_size)) == 1 and not kl_in_advantages and not records_routing
 
 

@@ -97,9 +97,7 @@ class TorchTrainBackend:
         self.moe_aux_loss = cfg.algorithm.moe_aux_loss_coeff > 0
         # Routing replay (vime_engine.train.routing_replay): "rollout" replays each sample's engine routing (R3),
         # "old_policy" the rollout's old-policy forward's (R2); None routes freely.
-        a = cfg.algorithm
-        self.routing_replay = ("rollout" if a.use_rollout_routing_replay
-                               else "old_policy" if a.use_routing_replay else None)
+        self.routing_replay = cfg.algorithm.routing_replay
         self.ref_model = None
         if needs_reference(cfg):
             ref_path = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
