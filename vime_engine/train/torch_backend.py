@@ -60,6 +60,16 @@ TRAINER_STATE_FILE = "trainer.pt"  # the rest: param groups, scheduler, RNG stat
 OPTIMIZERS = {"adam": torch.optim.AdamW}
 
 
+def train_every_embedding_row(model: nn.Module) -> nn.Module:
+    """`model` with its pad token's input-embedding row trained like every other row, as Megatron trains it.
+
+    HF builds the input embeddings with `padding_idx = config.pad_token_id`, which gives that row no gradient from
+    its lookups. Our forward rows never feed padding into a loss (forward_rows.py), so the only lookups of the pad
+    id are real tokens: SmolLM2's pad is its end of turn <|im_end|>, in every chat prompt and response."""
+    model.get_input_embeddings().padding_idx = None
+    return model
+
+
 class ValueHead(nn.Module):
     """PPO critic: the policy's architecture with a scalar head on the last hidden state."""
 
@@ -67,7 +77,7 @@ class ValueHead(nn.Module):
         super().__init__()
         from transformers import AutoModel
 
-        self.body = AutoModel.from_pretrained(model_path, torch_dtype=dtype)
+        self.body = train_every_embedding_row(AutoModel.from_pretrained(model_path, torch_dtype=dtype))
         self.head = nn.Linear(self.body.config.hidden_size, 1, dtype=dtype)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
@@ -85,7 +95,8 @@ class TorchTrainBackend:
         self.device = torch.device(device)
         dtype = getattr(torch, cfg.model.dtype)
         torch.manual_seed(cfg.train.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.hf_checkpoint, torch_dtype=dtype).to(self.device)
+        self.model = train_every_embedding_row(
+            AutoModelForCausalLM.from_pretrained(cfg.model.hf_checkpoint, torch_dtype=dtype)).to(self.device)
         self.model.train()
         self.derived_max_tokens = derived_max_tokens(self.model.config, dtype, self.device)
         # Samples share their prompt's forward row through a custom attention mask, which torch's SDPA (the default
