@@ -296,6 +296,11 @@ def check_on_device(cfg: EngineConfig, device_kind: str) -> None:
     if cfg.algorithm.use_rollout_routing_replay and (why := routed_experts_unavailable(device_kind)):
         raise PreflightError(f"--use-rollout-routing-replay: {why}; --use-routing-replay replays the trainer's own "
                              "old-policy routing instead")
+    if cfg.train.train_backend == "megatron" and cfg.model.dtype != "float32" and device_kind == "cpu":
+        raise PreflightError(
+            f"--dtype {cfg.model.dtype} with --train-backend megatron on CPU: megatron-core's mixed-precision "
+            "optimizer (Float16OptimizerWithFloat16Params) takes CUDA tensors only; train in float32 on CPU "
+            "(--dtype float32), or with --train-backend torch, which trains half precision on CPU")
 
 
 def check_model_dir(path: str, flag: str) -> dict[str, Any]:

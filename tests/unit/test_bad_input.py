@@ -18,13 +18,14 @@ from safetensors.torch import save_file
 
 from vime_engine.assets import resolve_config_assets
 from vime_engine.checkpoint import store as ckpt
-from vime_engine.config import ConfigError, from_flat, load_yaml
+from vime_engine.config import ConfigError, build_config, from_flat, load_yaml
 from vime_engine.data.datasets import read_prompt_rows
 from vime_engine.data.prompt_length import load_prompts
 from vime_engine.preflight import (
     DamagedSafetensors,
     PreflightError,
     check_inputs,
+    check_on_device,
     module_available,
     preflight,
     safetensors_header,
@@ -428,3 +429,13 @@ def test_bridge_mode_refuses_a_family_the_engine_does_not_build_naming_what_is_m
         _check_megatron_mapping(str(tmp_path / "m"), "--hf-checkpoint", "bridge")
     message = str(info.value)
     assert "model_type 'deepseek_v3'" in message and "from Megatron-Bridge's model providers is not wired" in message
+
+
+def test_half_precision_megatron_is_refused_on_cpu_before_ray_starts():
+    # megatron-core's mixed-precision optimizer raised TypeError on CPU tensors after the model was built.
+    flags = {"hf-checkpoint": "m", "prompt-data": "p", "train-backend": "megatron"}
+    with pytest.raises(PreflightError, match=r"--dtype bfloat16 with --train-backend megatron on CPU: .*--dtype float32"):
+        check_on_device(build_config([], **flags, dtype="bfloat16"), "cpu")
+    check_on_device(build_config([], **flags, dtype="bfloat16"), "cuda")
+    check_on_device(build_config([], **flags), "cpu")
+    check_on_device(build_config([], **{**flags, "train-backend": "torch"}, dtype="bfloat16"), "cpu")
