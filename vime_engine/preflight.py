@@ -453,8 +453,13 @@ def _check_checkpoints(cfg: EngineConfig) -> None:
         if not any(ckpt.candidates(load, content=False)):
             raise PreflightError(f"--load {c.load}: holds no checkpoint (rollout_NNNNNNN/ with a manifest.json); {fix}")
     root = c.load or c.save
-    if root is not None:
-        _check_same_model(root, "--load" if c.load else "--save", cfg.model.hf_checkpoint)
+    if root is None:
+        return
+    found = _latest_checkpoint(root)
+    if found is not None:
+        flag = "--load" if c.load else "--save"
+        _check_same_model(found, root, flag, cfg.model.hf_checkpoint)
+        _check_expert_optimizer_split(found, root, flag, cfg)
 
 
 def check_can_make_dir(directory: Path, flag: str, holds: str = "the checkpoints") -> None:
@@ -468,17 +473,45 @@ def check_can_make_dir(directory: Path, flag: str, holds: str = "the checkpoints
         raise PreflightError(f"{flag} {directory}: {blocking} is a file, so no directory can be made under it; {fix}")
 
 
-def _check_same_model(root: str, flag: str, model_dir: str) -> None:
-    """The checkpoint LATEST names must hold weights of the --hf-checkpoint model (names and shapes from the
-    safetensors headers; nothing else is read). Other cases are the resume's own business: it skips invalid
-    checkpoints with a warning, and backends that do not save `model.safetensors` check their own files."""
+def _latest_checkpoint(root: str) -> ckpt.CheckpointRef | None:
+    """The checkpoint LATEST names, or None where there is none or it is invalid: the resume's own business (it
+    skips invalid checkpoints with a warning)."""
     pointer = Path(root) / ckpt.LATEST
     if not pointer.is_file():
+        return None
+    try:
+        return ckpt.validate(Path(root) / pointer.read_text().strip(), content=False)
+    except (ckpt.CheckpointError, OSError, UnicodeDecodeError):
+        return None
+
+
+def _check_expert_optimizer_split(found: ckpt.CheckpointRef, root: str, flag: str, cfg: EngineConfig) -> None:
+    """A Megatron checkpoint resumes at other tensor- and pipeline-parallel sizes (torch_dist reshards them), but
+    not across expert parallelism's edge: at --expert-model-parallel-size > 1 megatron-core keeps the experts'
+    optimizer state in an optimizer of their own beside the dense parameters' (a chained optimizer), at 1 in one,
+    and loading the one layout into the other failed deep in torch_dist with a KeyError."""
+    if cfg.train.train_backend != "megatron":
         return
     try:
-        found = ckpt.validate(Path(root) / pointer.read_text().strip(), content=False)
-    except (ckpt.CheckpointError, OSError, UnicodeDecodeError):
+        saved = found.driver_state().get("config", {})
+    except (ckpt.CheckpointError, OSError, ValueError):
         return
+    if saved.get("train_backend") != "megatron":
+        return
+    was = int(saved.get("megatron.expert-model-parallel-size") or 1)
+    now = int(cfg.megatron.get("expert-model-parallel-size") or 1)
+    if (was > 1) != (now > 1):
+        raise PreflightError(
+            f"{flag} {root}: {found.path.name} was saved by Megatron at --expert-model-parallel-size {was} and this "
+            f"run asks for {now}: megatron-core keeps the experts' optimizer state apart from the other parameters' "
+            "only where experts are parallel (above 1), so the saved optimizer state cannot load; resume at "
+            f"--expert-model-parallel-size {was} (tensor and pipeline sizes may change: torch_dist reshards them), "
+            "or start afresh with another --save directory")
+
+
+def _check_same_model(found: ckpt.CheckpointRef, root: str, flag: str, model_dir: str) -> None:
+    """The checkpoint must hold weights of the --hf-checkpoint model (names and shapes from the safetensors
+    headers; nothing else is read). Backends that do not save `model.safetensors` check their own files."""
     if CHECKPOINT_WEIGHTS not in found.manifest.files:
         return
     saved = _tensor_shapes([found.path / CHECKPOINT_WEIGHTS])

@@ -238,3 +238,27 @@ def test_moe_run_settings_megatron_cannot_take_here_are_refused(flags, said):
 
     with pytest.raises(MegatronSetupError, match=re.escape(said)):
         ParallelLayout.from_flags(flags)
+
+
+def test_resuming_across_expert_parallelisms_edge_is_refused_before_ray_starts(moe_dir, arithmetic_data, tmp_path):
+    # megatron-core's optimizer state is one optimizer at EP 1 and a chained dense + expert pair above it: loading
+    # one into the other failed deep in torch_dist with a KeyError, after every rank had built its model.
+    from vime_engine.checkpoint import store as ckpt
+
+    def cfg(ep: int, backend: str = "megatron"):
+        return build_config(["--train-backend", backend, "--expert-model-parallel-size", str(ep),
+                             "--actor-num-gpus-per-node", "2", "--global-batch-size", "2", "--input-key", "question",
+                             "--label-key", "answer", "--save", str(tmp_path / "run")],
+                            **{"hf-checkpoint": str(moe_dir), "prompt-data": str(arithmetic_data)})
+
+    root = tmp_path / "run"
+    ckpt.commit(root, ckpt.staging_dir(root, 0), 0, {"config": cfg(1).flat()}, keep_last=None)
+    with pytest.raises(PreflightError, match=r"--save .*rollout_0000000 was saved by Megatron at "
+                                             r"--expert-model-parallel-size 1 and this run asks for 2: .*resume at "
+                                             r"--expert-model-parallel-size 1"):
+        check_inputs(cfg(2))
+    check_inputs(cfg(1))
+    ckpt.commit(root, ckpt.staging_dir(root, 1), 1, {"config": cfg(2).flat()}, keep_last=None)
+    check_inputs(cfg(2))
+    with pytest.raises(PreflightError, match="saved by Megatron at --expert-model-parallel-size 2 and this run asks"):
+        check_inputs(cfg(1))
