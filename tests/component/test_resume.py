@@ -65,7 +65,7 @@ def reference(tmp_path_factory, base_config) -> tuple[Path, str, list[dict]]:
 
 
 def test_kills_during_generation_optimizer_step_and_checkpoint_write_resume_bit_identical(
-    tmp_path, base_config, reference
+    tmp_path, base_config, reference, caplog
 ):
     _, ref_weights, ref_history = reference
     config = write_config(tmp_path, base_config)
@@ -82,8 +82,16 @@ def test_kills_during_generation_optimizer_step_and_checkpoint_write_resume_bit_
     # Rollout 2's history lines went to the file before its manifest; the resume cuts them off again.
     history_file = tmp_path / "ckpt" / HISTORY_FILE
     assert len(history_file.read_text().splitlines()) == NUM_ROLLOUT - 1
-    # Resumed at rollout 2 again, to the end.
+    # The newest checkpoint corrupt (one flipped byte, size unchanged): reported, and the one before it resumes.
+    newest = tmp_path / "ckpt" / "rollout_0000001" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    assert find_latest(tmp_path / "ckpt").rollout_id == 0
+    assert "rollout_0000001" in caplog.text and "model.safetensors" in caplog.text
+    # Resumed at rollout 1 again, to the end.
     assert run_train(config) == 0
+    assert "skipping checkpoint" in (tmp_path / "log.txt").read_text()
 
     weights, history = _final(tmp_path)
     assert weights == ref_weights
@@ -102,26 +110,6 @@ def test_two_chunks_equal_one_run(tmp_path, base_config, reference):
             f"r = run_chunk(build_config(yaml_path=sys.argv[1]), {start}, 2); print(r)"
         )
         assert run_train(config, command=[sys.executable, "-c", code, str(config)]) == 0
-    weights, history = _final(tmp_path)
-    assert weights == ref_weights
-    assert history == ref_history
-
-
-def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumes(tmp_path, base_config, reference, caplog):
-    ref_dir, ref_weights, ref_history = reference
-    shutil.copytree(ref_dir / "ckpt", tmp_path / "ckpt")
-    shutil.copytree(ref_dir / "out", tmp_path / "out")
-    newest = tmp_path / "ckpt" / "rollout_0000003" / "model.safetensors"
-    data = bytearray(newest.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one flipped byte, size unchanged
-    newest.write_bytes(bytes(data))
-
-    found = find_latest(tmp_path / "ckpt")
-    assert found.rollout_id == 2
-    assert "rollout_0000003" in caplog.text and "model.safetensors" in caplog.text
-
-    assert run_train(write_config(tmp_path, base_config)) == 0
-    assert "skipping checkpoint" in (tmp_path / "log.txt").read_text()
     weights, history = _final(tmp_path)
     assert weights == ref_weights
     assert history == ref_history
