@@ -218,7 +218,9 @@ def _check_torch_dist_ref(cfg: EngineConfig) -> None:
         raise PreflightError(
             f"--ref-load {ref_load} is a Megatron torch_dist checkpoint, which only --train-backend megatron reads; "
             "give the torch backend an HF directory (vimeflow convert --direction megatron_to_hf writes one)")
-    ref_arch, hf_arch = architecture_of(ref_load), HFArchitecture.from_pretrained(cfg.model.hf_checkpoint)
+    bridge = cfg.train.megatron_to_hf_mode == "bridge"
+    ref_arch = architecture_of(ref_load, bridge=bridge)
+    hf_arch = HFArchitecture.from_pretrained(cfg.model.hf_checkpoint, bridge=bridge)
     if ref_arch != hf_arch:
         differ = [f"{k} {v} vs {getattr(hf_arch, k)}" for k, v in vars(ref_arch).items() if getattr(hf_arch, k) != v]
         raise PreflightError(
@@ -227,15 +229,14 @@ def _check_torch_dist_ref(cfg: EngineConfig) -> None:
 
 
 def _check_megatron_mapping(path: str, flag: str, mode: str) -> None:
-    """The Megatron backend builds this architecture (a family or setting it would get wrong is named)."""
+    """The Megatron backend builds this architecture (a family or setting it would get wrong is named); with
+    --megatron-to-hf-mode bridge, Megatron-Bridge builds the families our mapping lacks."""
     from vime_engine.train.megatron_hf import HFArchitecture, UnsupportedHFModel
 
     try:
-        HFArchitecture.from_pretrained(path)
+        HFArchitecture.from_pretrained(path, bridge=mode == "bridge")
     except UnsupportedHFModel as exc:
-        bridge = ("; --megatron-to-hf-mode bridge converts the weights of the models the engine builds, and building "
-                  "other families from Megatron-Bridge's model providers is not wired") if mode == "bridge" else ""
-        raise PreflightError(f"{flag} {exc}{bridge}") from None
+        raise PreflightError(f"{flag} {exc}") from None
 
 
 def _check_model_flags(flags: dict[str, Any], model_config: dict[str, Any], config_file: Path) -> None:
