@@ -62,7 +62,7 @@ def check_inputs(cfg: EngineConfig) -> None:
             require_megatron_bridge()
     model_config = check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
     config_file = Path(cfg.model.hf_checkpoint) / "config.json"
-    _check_model_flags(cfg.megatron, model_config, config_file)
+    _check_model_flags(cfg.megatron, model_config, config_file, cfg.algorithm.moe_aux_loss_coeff)
     _check_moe_aux_loss(cfg.algorithm.moe_aux_loss_coeff, model_config, config_file)
     _check_routing_replay(cfg, model_config, config_file)
     _check_context_limits(cfg, model_config, config_file)
@@ -239,10 +239,11 @@ def _check_megatron_mapping(path: str, flag: str, mode: str) -> None:
         raise PreflightError(f"{flag} {exc}") from None
 
 
-def _check_model_flags(flags: dict[str, Any], model_config: dict[str, Any], config_file: Path) -> None:
+def _check_model_flags(flags: dict[str, Any], model_config: dict[str, Any], config_file: Path,
+                       aux_loss_coeff: float) -> None:
     """vime's model-architecture flags (--num-layers, --hidden-size, …) agree with the model's config.json."""
     try:
-        check_model_flags(flags, model_config, str(config_file))
+        check_model_flags(flags, model_config, str(config_file), aux_loss_coeff)
     except ModelFlagMismatch as exc:
         raise PreflightError(str(exc)) from None
 

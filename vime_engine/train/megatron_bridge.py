@@ -156,6 +156,8 @@ class BridgeMapping:
         provider.perform_initialization = True  # marks the tensor-parallel attributes the mapping and optimizer read
         provider.make_vocab_size_divisible_by = 1  # padded to the tensor-parallel size only, as the engine's own
         provider.moe_enable_routing_replay = routing_replay
+        if layout.moe.expert_bias_update_rate is not None:
+            provider.moe_router_bias_update_rate = layout.moe.expert_bias_update_rate
         if not te:
             provider.transformer_layer_spec = _local_layer_spec
             # Fusions that need TE's or Apex's kernels, and the shared expert's overlap on a second CUDA stream.

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from vime_engine.train.megatron_layout import MoESettings, ParallelLayout
+from vime_engine.train.megatron_layout import BRIDGE_FAMILIES, MoESettings, ParallelLayout
 from vime_engine.train.megatron_model_flags import moe_layer_pattern
 
 log = logging.getLogger(__name__)
@@ -49,9 +49,6 @@ EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # model_type → (q/k/v biases, per-head q/k RMSNorm). Llama's optional biases are refused in `from_hf_config`.
 _FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True), "qwen3_moe": (False, True)}
 _MOE_FAMILIES = ("qwen3_moe",)
-# Families this mapping has no layers for, whose Megatron model Megatron-Bridge's model provider builds (MLA, sigmoid
-# routing with an expert bias, shared experts, ...): trained with `--megatron-to-hf-mode bridge` only.
-BRIDGE_FAMILIES = {"deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4.5"}
 
 # A converted checkpoint (vime_engine.convert): torch_dist weights in TORCH_DIST_ITERATION_DIR/, the source's
 # config and tokenizer in HF_CONFIG_DIR/.
@@ -155,7 +152,7 @@ class HFArchitecture:
                 raise UnsupportedHFModel(
                     f"{source}: model_type {model_type!r} ({BRIDGE_FAMILIES[model_type]}) has no Megatron mapping of "
                     "the engine's own; Megatron-Bridge builds it: use --megatron-to-hf-mode bridge")
-            return cls._built_by_bridge(config)
+            return cls._built_by_bridge(config, source)
         if model_type not in _FAMILIES:
             bridged = ", ".join(f"{t} with --megatron-to-hf-mode bridge" for t in BRIDGE_FAMILIES)
             raise UnsupportedHFModel(
@@ -190,18 +187,18 @@ class HFArchitecture:
         )
 
     @classmethod
-    def _built_by_bridge(cls, config) -> HFArchitecture:
+    def _built_by_bridge(cls, config, source: str) -> HFArchitecture:
         """What the backend reads of a BRIDGE_FAMILIES model: its first `first_k_dense_replace` layers are dense, the
         rest MoE layers of `n_routed_experts` (their shared experts and routing are the provider's business)."""
         layers, dense = config.num_hidden_layers, config.first_k_dense_replace
         heads = config.num_attention_heads
         if getattr(config, "num_nextn_predict_layers", 0):
             raise UnsupportedHFModel(
-                f"config.num_nextn_predict_layers = {config.num_nextn_predict_layers}: multi-token-prediction layers "
-                "are not wired (the engine's loss would not train them nor its weight sync send them)")
+                f"{source}: config.num_nextn_predict_layers = {config.num_nextn_predict_layers}: multi-token-prediction "
+                "layers are not wired (the engine's loss would not train them nor its weight sync send them)")
         if not config.norm_topk_prob and config.num_experts_per_tok > 1:
-            raise UnsupportedHFModel("config.norm_topk_prob = false: Megatron's sigmoid router always renormalises "
-                                     "the top-k scores")
+            raise UnsupportedHFModel(f"{source}: config.norm_topk_prob = false: Megatron's sigmoid router always "
+                                     "renormalises the top-k scores")
         return cls(
             model_type=config.model_type, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
             ffn_hidden_size=config.intermediate_size, num_layers=layers, num_heads=heads,
@@ -272,7 +269,7 @@ def layout_fields(layout: ParallelLayout, dtype: torch.dtype, use_cpu_initializa
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=use_cpu_initialization,
         masked_softmax_fusion=fused, bias_activation_fusion=fused, bias_dropout_fusion=fused,
-        apply_rope_fusion=fused, persist_layer_norm=fused,
+        apply_rope_fusion=fused and layout.rope_fusion, persist_layer_norm=fused,
         gradient_accumulation_fusion=fused and layout.gradient_accumulation_fusion,
         **extra,
     )
