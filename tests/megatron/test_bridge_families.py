@@ -65,3 +65,27 @@ def test_deepseek_v3_through_the_bridge_trains_as_transformers_does(tiny_deepsee
 
     _, info = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info  # no tensor missing, unexpected or mismatched
+
+
+def test_glm45_stops_where_its_bridge_maps_no_local_experts(tmp_path):
+    """GLM-4.5 through the bridge on this lane (no Transformer Engine): Megatron-Bridge 0.6.2 maps its routed experts
+    only as TE's grouped experts, so the local layers' experts would keep their random init; refused, naming them."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    from vime_engine.devices.accelerator import CPU, prepare_accelerator
+    from vime_engine.train import megatron_model as mm
+
+    prepare_accelerator(CPU)  # as the backend does before building a model
+    mm.init_distributed(CPU, mm.ParallelLayout(), seed=0)
+
+    config = Glm4MoeConfig(
+        vocab_size=301, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, use_qk_norm=True,
+        attention_bias=True, partial_rotary_factor=0.5, tie_word_embeddings=False, num_nextn_predict_layers=0)
+    Glm4MoeForCausalLM(config).save_pretrained(tmp_path / "glm")
+    arch = HFArchitecture.from_pretrained(tmp_path / "glm", bridge=True)
+    assert arch.built_by_bridge and arch.moe.layer_pattern == (0, 1)
+    with pytest.raises(UnsupportedHFModel, match=r"local_experts\.0\.linear_fc1.*TE's grouped layout"):
+        mm.build_model(arch, mm.ParallelLayout(), torch.float32, CPU, hf_dir=tmp_path / "glm",
+                       mapping=mm.hf_mapping("bridge", arch, tmp_path / "glm"))

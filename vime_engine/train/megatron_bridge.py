@@ -198,8 +198,13 @@ class BridgeMapping:
         missing = [name for i, chunk in enumerate(chunks) for name, _ in chunk.named_parameters()
                    if (i, name) not in covered and name not in shared]
         if missing:
+            hint = "use --megatron-to-hf-mode raw"
+            if self.arch.built_by_bridge:  # no mapping of ours to fall back on
+                hint = ("the bridge builds this family and maps no other layers"
+                        + ("" if transformer_engine_available() else "; these are Megatron's local layers, as without "
+                           "Transformer Engine (GLM-4.5's bridge maps routed experts only in TE's grouped layout)"))
             raise UnsupportedHFModel(f"{where}: Megatron-Bridge maps no HF tensor to the Megatron parameters "
-                                     f"{missing[:5]} (use --megatron-to-hf-mode raw)")
+                                     f"{missing[:5]} ({hint})")
 
     def _check_all_read(self, tasks, hf_dir: Path) -> None:
         from megatron.core import parallel_state as ps
