@@ -104,7 +104,7 @@ def _completed(dest: Path, direction: Direction, source_hash: str) -> Conversion
 
 def _hf_to_megatron(mm, source: Path, dest: Path, accelerator: Accelerator,
                     mode: MegatronToHFMode) -> tuple[float, float, float]:
-    arch = mm.HFArchitecture.from_pretrained(source)
+    arch = mm.HFArchitecture.from_pretrained(source, bridge=mode == "bridge")
     mapping = mm.hf_mapping(mode, arch, source)
     model = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator, hf_dir=source, mapping=mapping)
     mm.save_torch_dist(mm.model_sharded_state_dict(model), dest / mm.TORCH_DIST_ITERATION_DIR)
@@ -112,7 +112,7 @@ def _hf_to_megatron(mm, source: Path, dest: Path, accelerator: Accelerator,
     copy_non_weight_files(source, dest / mm.HF_CONFIG_DIR)
     del model
 
-    reloaded = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator)
+    reloaded = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator, mapping=mapping)
     mm.load_torch_dist(mm.model_sharded_state_dict(reloaded), dest / mm.TORCH_DIST_ITERATION_DIR)
     return _verify(mm, arch, reloaded, source, mapping)
 
@@ -125,9 +125,9 @@ def _megatron_to_hf(mm, source: Path, dest: Path, accelerator: Accelerator,
             f"{source} is not a converted Megatron checkpoint: expected {mm.TORCH_DIST_ITERATION_DIR}/ and "
             f"{mm.HF_CONFIG_DIR}/ (write one with direction hf_to_megatron)"
         )
-    arch = mm.HFArchitecture.from_pretrained(hf_config_dir)
+    arch = mm.HFArchitecture.from_pretrained(hf_config_dir, bridge=mode == "bridge")
     mapping = mm.hf_mapping(mode, arch, hf_config_dir)
-    model = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator)
+    model = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator, mapping=mapping)
     mm.load_torch_dist(mm.model_sharded_state_dict(model), source / mm.TORCH_DIST_ITERATION_DIR)
     weights = {name: t.cpu() for name, t in mm.hf_weight_stream(arch, model, with_lm_head=False, mapping=mapping)}
     mm.save_hf_weights(weights, dest)

@@ -62,7 +62,7 @@ def check_inputs(cfg: EngineConfig) -> None:
             require_megatron_bridge()
     model_config = check_model_dir(cfg.model.hf_checkpoint, "--hf-checkpoint")
     config_file = Path(cfg.model.hf_checkpoint) / "config.json"
-    _check_model_flags(cfg.megatron, model_config, config_file)
+    _check_model_flags(cfg.megatron, model_config, config_file, cfg.algorithm.moe_aux_loss_coeff)
     _check_moe_aux_loss(cfg.algorithm.moe_aux_loss_coeff, model_config, config_file)
     _check_routing_replay(cfg, model_config, config_file)
     _check_context_limits(cfg, model_config, config_file)
@@ -218,7 +218,9 @@ def _check_torch_dist_ref(cfg: EngineConfig) -> None:
         raise PreflightError(
             f"--ref-load {ref_load} is a Megatron torch_dist checkpoint, which only --train-backend megatron reads; "
             "give the torch backend an HF directory (vimeflow convert --direction megatron_to_hf writes one)")
-    ref_arch, hf_arch = architecture_of(ref_load), HFArchitecture.from_pretrained(cfg.model.hf_checkpoint)
+    bridge = cfg.train.megatron_to_hf_mode == "bridge"
+    ref_arch = architecture_of(ref_load, bridge=bridge)
+    hf_arch = HFArchitecture.from_pretrained(cfg.model.hf_checkpoint, bridge=bridge)
     if ref_arch != hf_arch:
         differ = [f"{k} {v} vs {getattr(hf_arch, k)}" for k, v in vars(ref_arch).items() if getattr(hf_arch, k) != v]
         raise PreflightError(
@@ -227,21 +229,21 @@ def _check_torch_dist_ref(cfg: EngineConfig) -> None:
 
 
 def _check_megatron_mapping(path: str, flag: str, mode: str) -> None:
-    """The Megatron backend builds this architecture (a family or setting it would get wrong is named)."""
+    """The Megatron backend builds this architecture (a family or setting it would get wrong is named); with
+    --megatron-to-hf-mode bridge, Megatron-Bridge builds the families our mapping lacks."""
     from vime_engine.train.megatron_hf import HFArchitecture, UnsupportedHFModel
 
     try:
-        HFArchitecture.from_pretrained(path)
+        HFArchitecture.from_pretrained(path, bridge=mode == "bridge")
     except UnsupportedHFModel as exc:
-        bridge = ("; --megatron-to-hf-mode bridge converts the weights of the models the engine builds, and building "
-                  "other families from Megatron-Bridge's model providers is not wired") if mode == "bridge" else ""
-        raise PreflightError(f"{flag} {exc}{bridge}") from None
+        raise PreflightError(f"{flag} {exc}") from None
 
 
-def _check_model_flags(flags: dict[str, Any], model_config: dict[str, Any], config_file: Path) -> None:
+def _check_model_flags(flags: dict[str, Any], model_config: dict[str, Any], config_file: Path,
+                       aux_loss_coeff: float) -> None:
     """vime's model-architecture flags (--num-layers, --hidden-size, …) agree with the model's config.json."""
     try:
-        check_model_flags(flags, model_config, str(config_file))
+        check_model_flags(flags, model_config, str(config_file), aux_loss_coeff)
     except ModelFlagMismatch as exc:
         raise PreflightError(str(exc)) from None
 

@@ -29,3 +29,10 @@ def tiny_qwen3_moe(tmp_path_factory) -> Path:
     from vime_engine.models.builtin import materialize_builtin_model
 
     return materialize_builtin_model("tiny-qwen3-moe", tmp_path_factory.mktemp("models") / "tiny-qwen3-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3(tmp_path_factory) -> Path:
+    from vime_engine.models.builtin import materialize_builtin_model
+
+    return materialize_builtin_model("tiny-deepseek-v3", tmp_path_factory.mktemp("models") / "tiny-deepseek-v3")

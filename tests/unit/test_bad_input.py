@@ -418,17 +418,18 @@ def test_preflight_errors_are_config_errors():
     assert issubclass(PreflightError, ConfigError)
 
 
-def test_bridge_mode_refuses_a_family_the_engine_does_not_build_naming_what_is_missing(tmp_path: Path,
-                                                                                        tiny_model: Path):
-    # Where Megatron-Bridge is installed (the 3.12 lane, the CUDA image) preflight gets past its install check; the
-    # model is then refused because the engine builds the model itself, from our mapping's families.
+def test_a_family_only_the_bridge_builds_is_refused_in_raw_mode_naming_bridge_mode(tmp_path: Path, tiny_model: Path):
+    # DeepSeek-V3 and GLM-4.5 have no Megatron mapping of the engine's own: Megatron-Bridge's provider builds them
+    # (tests/megatron/test_bridge_families.py); a family neither builds is refused in both modes, naming those that are.
     from vime_engine.preflight import _check_megatron_mapping
 
     _as_model_type(tmp_path / "m", tiny_model, "deepseek_v3")
-    with pytest.raises(ConfigError) as info:
-        _check_megatron_mapping(str(tmp_path / "m"), "--hf-checkpoint", "bridge")
-    message = str(info.value)
-    assert "model_type 'deepseek_v3'" in message and "from Megatron-Bridge's model providers is not wired" in message
+    with pytest.raises(ConfigError, match="model_type 'deepseek_v3' .*use --megatron-to-hf-mode bridge"):
+        _check_megatron_mapping(str(tmp_path / "m"), "--hf-checkpoint", "raw")
+    _as_model_type(tmp_path / "g", tiny_model, "gpt_neox")
+    with pytest.raises(ConfigError, match="model_type 'gpt_neox' has no Megatron mapping.*deepseek_v3 with "
+                                          "--megatron-to-hf-mode bridge"):
+        _check_megatron_mapping(str(tmp_path / "g"), "--hf-checkpoint", "bridge")
 
 
 def test_half_precision_megatron_is_refused_on_cpu_before_ray_starts():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -87,3 +88,63 @@ def test_the_tiny_models_flags_describe_it(tiny_model):
     _check(TINY_QWEN3_MODEL_FLAGS, json.loads((tiny_model / "config.json").read_text()))
     with pytest.raises(ModelFlagMismatch, match="--num-layers 3 disagrees with config.json num_hidden_layers = 2"):
         _check(["--num-layers", "3"], json.loads((tiny_model / "config.json").read_text()))
+
+
+# vime's scripts/models/deepseek-v3.sh (our transcription of its flags) with builtin://tiny-deepseek-v3's sizes: every
+# flag describes the model (checked against config.json) or says how Megatron runs it.
+TINY_DEEPSEEK_V3_FLAGS = [
+    "--disable-bias-linear", "--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256",
+    "--num-attention-heads", "4", "--kv-channels", "32", "--normalization", "RMSNorm", "--position-embedding-type",
+    "rope", "--norm-epsilon", "1e-6", "--swiglu", "--untie-embeddings-and-output-weights", "--vocab-size", "434",
+    "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "512", "--qk-head-dim", "32",
+    "--qk-pos-emb-head-dim", "64", "--v-head-dim", "32", "--qk-layernorm", "--rotary-base", "10000",
+    "--mscale", "1.0", "--mscale-all-dim", "0", "--attention-softmax-in-fp32", "--no-rope-fusion",
+    "--num-experts", "4", "--moe-layer-freq", "[0, 1]", "--moe-ffn-hidden-size", "64", "--moe-router-topk", "2",
+    "--moe-shared-expert-intermediate-size", "64", "--moe-router-pre-softmax", "--moe-router-score-function",
+    "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-load-balancing-type", "seq_aux_loss",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0", "--moe-router-bias-update-rate", "0",
+    "--moe-router-group-topk", "1", "--moe-router-num-groups", "2", "--moe-grouped-gemm",
+    "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32", "--moe-permute-fusion",
+    "--mtp-num-layers", "0",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_v3(tmp_path_factory):
+    from vime_engine.models.builtin import materialize_builtin_model
+
+    return materialize_builtin_model("tiny-deepseek-v3", tmp_path_factory.mktemp("dsv3") / "model")
+
+
+def test_vimes_deepseek_v3_flags_describe_the_tiny_deepseek_v3(tiny_deepseek_v3):
+    from vime_engine.train.megatron_layout import ParallelLayout
+
+    config = json.loads((tiny_deepseek_v3 / "config.json").read_text())
+    flags = {name: typed_megatron_value(name, value) for name, value in parse_flags(TINY_DEEPSEEK_V3_FLAGS).items()}
+    check_model_flags(flags, config, "model/config.json")
+    layout = ParallelLayout.from_flags(flags)
+    assert layout.moe.expert_bias_update_rate == 0 and not layout.rope_fusion  # they reach the provider / config
+
+
+@pytest.mark.parametrize("flags, said", [
+    ({"kv-lora-rank": 64}, "--kv-lora-rank 64 disagrees with config.json kv_lora_rank = 512"),
+    ({"qk-pos-emb-head-dim": 32}, "qk_rope_head_dim = 64"),
+    ({"moe-router-group-topk": 2}, "topk_group = 1"),
+    ({"moe-router-score-function": "softmax"}, "sigmoid"),
+    ({"moe-shared-expert-intermediate-size": 128}, "= 64"),
+    ({"moe-layer-freq": "1"}, "gives the MoE layers all 2"),
+    ({"mtp-num-layers": 1}, "num_nextn_predict_layers = 0"),
+    ({"kv-channels": 16}, "v_head_dim (multi-latent attention) = 32"),
+    ({"mscale": 0.707}, "rope_scaling.mscale"),
+])
+def test_a_deepseek_v3_flag_that_does_not_describe_it_is_refused(tiny_deepseek_v3, flags, said):
+    config = json.loads((tiny_deepseek_v3 / "config.json").read_text())
+    with pytest.raises(ModelFlagMismatch, match=re.escape(said)):
+        check_model_flags(flags, config, "model/config.json")
+
+
+def test_a_load_balancing_loss_other_than_the_one_built_passes_only_unweighted(tiny_deepseek_v3):
+    config = json.loads((tiny_deepseek_v3 / "config.json").read_text())
+    check_model_flags({"moe-router-load-balancing-type": "seq_aux_loss"}, config, "c", aux_loss_coeff=0.0)
+    with pytest.raises(ModelFlagMismatch, match="--moe-router-load-balancing-type seq_aux_loss: every backend adds"):
+        check_model_flags({"moe-router-load-balancing-type": "seq_aux_loss"}, config, "c", aux_loss_coeff=0.01)

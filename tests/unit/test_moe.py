@@ -170,8 +170,9 @@ def test_vimes_qwen3_30b_a3b_moe_flags_pass_the_megatron_preflight_and_reach_meg
     ({"moe-router-pre-softmax": True}, "norm_topk_prob"),
     ({"moe-router-topk-scaling-factor": 2.5}, "routed_scaling_factor"),
     ({"moe-shared-expert-intermediate-size": 64}, "no shared expert"),
-    ({"moe-router-enable-expert-bias": True}, "Qwen3-MoE's router has none"),
+    ({"moe-router-enable-expert-bias": True}, "--moe-router-enable-expert-bias true: the model does not have it"),
     ({"moe-router-bias-update-rate": 0.0}, "moves the expert bias"),
+    ({"moe-router-num-groups": 8}, "config.json n_group = None"),
 ])
 def test_a_moe_flag_for_another_router_or_layer_pattern_is_refused(moe_dir, flags, said):
     config = json.loads((moe_dir / "config.json").read_text())

@@ -60,6 +60,19 @@ MEGATRON_FLAGS: dict[str, type] = {
     "moe-router-enable-expert-bias": bool,
     "moe-router-bias-update-rate": float,
     "rotary-percent": float,
+    # DeepSeek-V3's and GLM-4.5's (built by Megatron-Bridge: --megatron-to-hf-mode bridge), checked the same way.
+    "multi-latent-attention": bool,
+    "q-lora-rank": int,
+    "kv-lora-rank": int,
+    "qk-head-dim": int,
+    "qk-pos-emb-head-dim": int,
+    "v-head-dim": int,
+    "mscale": float,
+    "mscale-all-dim": float,
+    "moe-router-num-groups": int,
+    "moe-router-group-topk": int,
+    "mtp-num-layers": int,
+    "no-rope-fusion": bool,  # a Transformer Engine kernel choice (ParallelLayout.rope_fusion)
     # How Megatron runs the MoE layers (vime_engine/train/megatron_layout.MoESettings).
     "moe-token-dispatcher-type": str,
     "moe-router-dtype": str,

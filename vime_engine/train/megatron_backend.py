@@ -80,7 +80,8 @@ class MegatronTrainBackend:
         torch.manual_seed(cfg.train.seed)
         self.device = torch.device(self.accelerator.torch_device)
         self.dtype = getattr(torch, cfg.model.dtype)
-        self.arch = mm.HFArchitecture.from_pretrained(cfg.model.hf_checkpoint)
+        bridge = cfg.train.megatron_to_hf_mode == "bridge"
+        self.arch = mm.HFArchitecture.from_pretrained(cfg.model.hf_checkpoint, bridge=bridge)
         self.vocab_size = self.arch.vocab_size
         from transformers import AutoConfig
 
@@ -114,7 +115,7 @@ class MegatronTrainBackend:
         self.ref_model = None
         if needs_reference(cfg):
             ref_dir = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
-            ref_arch = mm.architecture_of(ref_dir)
+            ref_arch = mm.architecture_of(ref_dir, bridge=bridge)
             ref_mapping = mm.hf_mapping(cfg.train.megatron_to_hf_mode, ref_arch, ref_dir)
             self.ref_model = mm.build_model_from(ref_dir, ref_arch, self.layout, self.dtype, self.accelerator,
                                                  mapping=ref_mapping)

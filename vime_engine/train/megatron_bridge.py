@@ -3,10 +3,14 @@ model this engine builds, where the raw mode uses our own mapping (megatron_hf.p
 
 It acts wherever HF weights cross into or out of Megatron: the policy's and the reference's initial weights from an HF
 directory, the weight sync's HF-named stream (gathered over tensor-, pipeline- and expert-parallel ranks; collective),
-`--save-hf`, and `vimeflow convert` in both directions. The model itself is still built from the HF config by
-megatron_hf (`HFArchitecture`, `transformer_config`), so the families are those the engine builds; the two modes give
-the same torch_dist layout and the same HF tensors (tests/megatron/test_hf_mapping.py), so a checkpoint written in one
-mode loads in the other. Building DeepSeek-V3 or GLM-4.5 from the bridge's model providers is not wired.
+`--save-hf`, and `vimeflow convert` in both directions. For the families the engine builds itself (megatron_hf's
+`HFArchitecture`, `transformer_config`) the two modes give the same torch_dist layout and the same HF tensors
+(tests/megatron/test_hf_mapping.py), so a checkpoint written in one mode loads in the other.
+
+The families our mapping lacks (megatron_hf.BRIDGE_FAMILIES: DeepSeek-V3, GLM-4.5) are built from the bridge's model
+provider (`BridgeMapping.build_gpt`): its architecture (multi-latent attention, sigmoid routing with an expert bias,
+group-limited routing, shared experts, YaRN rope) with the engine's parallel layout, dtype and MoE run settings on top.
+Without Transformer Engine the layers are Megatron's local ones.
 
 Megatron-Bridge needs Python >= 3.12 (megatron-core >= 0.17): the Megatron lane's venv and the images have it, the
 main venv does not, and preflight refuses the mode there. Its LoRA layers import Transformer Engine at module level;
@@ -31,9 +35,12 @@ from vime_engine.train.megatron_hf import (
     LM_HEAD,
     HFArchitecture,
     UnsupportedHFModel,
+    layout_fields,
+    moe_run_fields,
     safetensors_files,
     transformer_engine_available,
 )
+from vime_engine.train.megatron_layout import ParallelLayout
 
 
 class _Placeholder(type):
@@ -82,6 +89,37 @@ def auto_bridge_class() -> type:
     return bridge.AutoBridge
 
 
+def _local_mla_attention() -> type:
+    """Megatron's local DotProductAttention for multi-latent attention: megatron-core (0.19) builds MLA's core attention
+    with keys and values of different head sizes (k_channels = nope + rope, v_channels), which only TE's attention
+    accepts; the local one's arithmetic already follows the tensors' own sizes, only its output width must be the
+    value heads'."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.utils import divide
+
+    class LocalMLAAttention(DotProductAttention):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, k_channels=None, v_channels=None,
+                     **kwargs):
+            super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = divide(v_channels * config.num_attention_heads,
+                                                        self.pg_collection.tp.size())
+
+    return LocalMLAAttention
+
+
+def _local_layer_spec(config):
+    """The decoder block of Megatron's local layers (no Transformer Engine), MLA's core attention made to fit."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if config.multi_latent_attention:
+        attention = _local_mla_attention()
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = attention
+    return spec
+
+
 class BridgeMapping:
     """The HF <-> Megatron weights of one model through AutoBridge (the `HFMapping` of megatron_model.py).
 
@@ -101,6 +139,33 @@ class BridgeMapping:
             raise UnsupportedHFModel(f"{hf_config_dir}: Megatron-Bridge has no bridge for this model "
                                      f"({' '.join(str(exc).split())[:300]})") from None
         self.config = config
+
+    def build_gpt(self, layout: ParallelLayout, dtype: torch.dtype, use_cpu_initialization: bool,
+                  routing_replay: bool) -> torch.nn.Module:
+        """This rank's Megatron GPT model (its pipeline stage) of a BRIDGE_FAMILIES model, built by the bridge's
+        provider at Megatron's random init (the weights come in through `load`)."""
+        from megatron.core import parallel_state
+
+        provider = self.bridge.to_megatron_provider(load_weights=False)
+        te = transformer_engine_available()
+        settings = {**layout_fields(layout, dtype, use_cpu_initialization), **moe_run_fields(layout.moe, te)}
+        if settings["moe_router_dtype"] is None:
+            del settings["moe_router_dtype"]  # the provider's (fp32 for DeepSeek-V3 and GLM-4.5, as HF's gate)
+        for name, value in settings.items():
+            setattr(provider, name, value)
+        provider.perform_initialization = True  # marks the tensor-parallel attributes the mapping and optimizer read
+        provider.make_vocab_size_divisible_by = 1  # padded to the tensor-parallel size only, as the engine's own
+        provider.moe_enable_routing_replay = routing_replay
+        if layout.moe.expert_bias_update_rate is not None:
+            provider.moe_router_bias_update_rate = layout.moe.expert_bias_update_rate
+        if not te:
+            provider.transformer_layer_spec = _local_layer_spec
+            # Fusions that need TE's or Apex's kernels, and the shared expert's overlap on a second CUDA stream.
+            provider.cross_entropy_loss_fusion = False
+            provider.moe_shared_expert_overlap = False
+        provider.finalize()
+        return provider.provide(pre_process=parallel_state.is_pipeline_first_stage(),
+                                post_process=parallel_state.is_pipeline_last_stage())
 
     def load(self, chunks: list[torch.nn.Module], hf_dir: str | Path) -> None:
         """Copy the HF directory's tensors into this rank's parameter shards of the unwrapped GPT modules (the bridge
@@ -133,8 +198,13 @@ class BridgeMapping:
         missing = [name for i, chunk in enumerate(chunks) for name, _ in chunk.named_parameters()
                    if (i, name) not in covered and name not in shared]
         if missing:
+            hint = "use --megatron-to-hf-mode raw"
+            if self.arch.built_by_bridge:  # no mapping of ours to fall back on
+                hint = ("the bridge builds this family and maps no other layers"
+                        + ("" if transformer_engine_available() else "; these are Megatron's local layers, as without "
+                           "Transformer Engine (GLM-4.5's bridge maps routed experts only in TE's grouped layout)"))
             raise UnsupportedHFModel(f"{where}: Megatron-Bridge maps no HF tensor to the Megatron parameters "
-                                     f"{missing[:5]} (use --megatron-to-hf-mode raw)")
+                                     f"{missing[:5]} ({hint})")
 
     def _check_all_read(self, tasks, hf_dir: Path) -> None:
         from megatron.core import parallel_state as ps

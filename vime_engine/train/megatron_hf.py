@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from vime_engine.train.megatron_layout import MoESettings, ParallelLayout
+from vime_engine.train.megatron_layout import BRIDGE_FAMILIES, MoESettings, ParallelLayout
 from vime_engine.train.megatron_model_flags import moe_layer_pattern
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,9 @@ def hf_config_dir(path: str | Path) -> Path:
     return path / HF_CONFIG_DIR if is_converted_checkpoint(path) else path
 
 
-def architecture_of(path: str | Path) -> HFArchitecture:
+def architecture_of(path: str | Path, bridge: bool = False) -> HFArchitecture:
     """The architecture of an HF directory or of a converted checkpoint (from the config kept beside it)."""
-    return HFArchitecture.from_pretrained(hf_config_dir(path))
+    return HFArchitecture.from_pretrained(hf_config_dir(path), bridge=bridge)
 
 
 class UnsupportedHFModel(ValueError):
@@ -133,20 +133,31 @@ class HFArchitecture:
     qkv_bias: bool
     qk_norm: bool
     moe: MoEArchitecture | None = None  # None: a dense model
+    # True for BRIDGE_FAMILIES: Megatron-Bridge's provider builds the model and moves its weights (megatron_bridge);
+    # the fields above are then only what the backend reads (vocabulary, layers, experts), not a model to build.
+    built_by_bridge: bool = False
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> HFArchitecture:
+    def from_pretrained(cls, directory: str | Path, bridge: bool = False) -> HFArchitecture:
+        """The architecture of an HF directory; `bridge` (`--megatron-to-hf-mode bridge`) admits BRIDGE_FAMILIES."""
         from transformers import AutoConfig
 
-        return cls.from_hf_config(AutoConfig.from_pretrained(str(directory)), source=str(directory))
+        return cls.from_hf_config(AutoConfig.from_pretrained(str(directory)), source=str(directory), bridge=bridge)
 
     @classmethod
-    def from_hf_config(cls, config, source: str = "the model") -> HFArchitecture:
+    def from_hf_config(cls, config, source: str = "the model", bridge: bool = False) -> HFArchitecture:
         model_type = getattr(config, "model_type", None)
+        if model_type in BRIDGE_FAMILIES:
+            if not bridge:
+                raise UnsupportedHFModel(
+                    f"{source}: model_type {model_type!r} ({BRIDGE_FAMILIES[model_type]}) has no Megatron mapping of "
+                    "the engine's own; Megatron-Bridge builds it: use --megatron-to-hf-mode bridge")
+            return cls._built_by_bridge(config, source)
         if model_type not in _FAMILIES:
+            bridged = ", ".join(f"{t} with --megatron-to-hf-mode bridge" for t in BRIDGE_FAMILIES)
             raise UnsupportedHFModel(
                 f"{source}: model_type {model_type!r} has no Megatron mapping here; supported: "
-                f"{', '.join(_FAMILIES)} (or train with --train-backend torch)"
+                f"{', '.join(_FAMILIES)}, {bridged} (or train with --train-backend torch)"
             )
         qkv_bias, qk_norm = _FAMILIES[model_type]
         for field in ("attention_bias", "mlp_bias"):
@@ -175,6 +186,34 @@ class HFArchitecture:
             if model_type in _MOE_FAMILIES else None,
         )
 
+    @classmethod
+    def _built_by_bridge(cls, config, source: str) -> HFArchitecture:
+        """What the backend reads of a BRIDGE_FAMILIES model: its first `first_k_dense_replace` layers are dense, the
+        rest MoE layers of `n_routed_experts` (their shared experts and routing are the provider's business)."""
+        layers, dense = config.num_hidden_layers, config.first_k_dense_replace
+        heads = config.num_attention_heads
+        if getattr(config, "num_nextn_predict_layers", 0):
+            raise UnsupportedHFModel(
+                f"{source}: config.num_nextn_predict_layers = {config.num_nextn_predict_layers}: multi-token-prediction "
+                "layers are not wired (the engine's loss would not train them nor its weight sync send them)")
+        if not config.norm_topk_prob and config.num_experts_per_tok > 1:
+            raise UnsupportedHFModel(f"{source}: config.norm_topk_prob = false: Megatron's sigmoid router always "
+                                     "renormalises the top-k scores")
+        return cls(
+            model_type=config.model_type, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            ffn_hidden_size=config.intermediate_size, num_layers=layers, num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None)
+            or config.hidden_size // heads,
+            norm_eps=config.rms_norm_eps, rope_theta=float(config.rope_parameters.get("rope_theta", 10000.0)),
+            max_positions=config.max_position_embeddings,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)), qkv_bias=False, qk_norm=False,
+            moe=MoEArchitecture(num_experts=config.n_routed_experts, ffn_hidden_size=config.moe_intermediate_size,
+                                topk=config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob),
+                                layer_pattern=(0,) * dense + (1,) * (layers - dense)),
+            built_by_bridge=True,
+        )
+
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         return -(-self.vocab_size // tensor_parallel) * tensor_parallel
 
@@ -192,6 +231,20 @@ def transformer_config(arch: HFArchitecture, layout: ParallelLayout, dtype: torc
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
+    fields = layout_fields(layout, dtype, use_cpu_initialization)
+    if arch.moe is not None:
+        fields.update(moe_config(arch.moe, layout.moe, transformer_engine_available()))
+    return TransformerConfig(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm, **fields,
+    )
+
+
+def layout_fields(layout: ParallelLayout, dtype: torch.dtype, use_cpu_initialization: bool) -> dict:
+    """TransformerConfig's fields that the parallel layout, the dtype and the machine decide, not the model: set on
+    `transformer_config`'s config, and on Megatron-Bridge's provider for BRIDGE_FAMILIES (megatron_bridge)."""
     fused = transformer_engine_available()
     # Micro-batches are padded to their own longest sample, so pipeline stages exchange varying shapes; Megatron
     # checks the MoE dispatcher allows that even for dense models (none dispatches there).
@@ -207,13 +260,7 @@ def transformer_config(arch: HFArchitecture, layout: ParallelLayout, dtype: torc
                      recompute_num_layers=layout.recompute_num_layers)
     if layout.expert_tensor is not None:
         extra["expert_tensor_parallel_size"] = layout.expert_tensor
-    if arch.moe is not None:
-        extra.update(moe_config(arch.moe, layout.moe, fused))
-    return TransformerConfig(
-        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
-        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
+    return dict(
         hidden_dropout=layout.hidden_dropout, attention_dropout=layout.attention_dropout,
         tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
         context_parallel_size=layout.context, expert_model_parallel_size=layout.expert,
@@ -222,7 +269,7 @@ def transformer_config(arch: HFArchitecture, layout: ParallelLayout, dtype: torc
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=use_cpu_initialization,
         masked_softmax_fusion=fused, bias_activation_fusion=fused, bias_dropout_fusion=fused,
-        apply_rope_fusion=fused, persist_layer_norm=fused,
+        apply_rope_fusion=fused and layout.rope_fusion, persist_layer_norm=fused,
         gradient_accumulation_fusion=fused and layout.gradient_accumulation_fusion,
         **extra,
     )
@@ -237,14 +284,22 @@ def _say_unfused(flag: str) -> None:
 
 def moe_config(moe: MoEArchitecture, settings: MoESettings, transformer_engine: bool) -> dict:
     """TransformerConfig's mixture-of-experts fields: the experts and routing of config.json, run as `settings`
-    (megatron_layout.MoESettings) say. No token is ever dropped (no capacity factor): vLLM drops none."""
-    for flag, wanted in (("--moe-grouped-gemm", settings.grouped_gemm), ("--moe-permute-fusion", settings.permute_fusion)):
-        if wanted and not transformer_engine:
-            _say_unfused(flag)
+    (megatron_layout.MoESettings) say."""
     return dict(
         num_moe_experts=moe.num_experts, moe_ffn_hidden_size=moe.ffn_hidden_size, moe_router_topk=moe.topk,
         moe_router_score_function="softmax", moe_router_pre_softmax=not moe.renormalize,
         moe_layer_freq=1 if all(moe.layer_pattern) else list(moe.layer_pattern),
+        **moe_run_fields(settings, transformer_engine),
+    )
+
+
+def moe_run_fields(settings: MoESettings, transformer_engine: bool) -> dict:
+    """How the MoE layers run, whoever builds them (`moe_config`, or Megatron-Bridge's provider): no token is ever
+    dropped (no capacity factor), as vLLM drops none; TE's kernels only where TE is installed."""
+    for flag, wanted in (("--moe-grouped-gemm", settings.grouped_gemm), ("--moe-permute-fusion", settings.permute_fusion)):
+        if wanted and not transformer_engine:
+            _say_unfused(flag)
+    return dict(
         moe_token_dispatcher_type=settings.token_dispatcher, moe_router_dtype=settings.router_dtype,
         moe_router_load_balancing_type="aux_loss" if settings.aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=settings.aux_loss_coeff, moe_token_drop_policy=settings.token_drop_policy,

@@ -11,6 +11,9 @@ from typing import Any, Literal
 
 # --megatron-to-hf-mode: how weights cross between HF tensors and the Megatron model (megatron_model.hf_mapping).
 MegatronToHFMode = Literal["raw", "bridge"]
+# model_type → family: the families the engine's own mapping lacks, whose Megatron model Megatron-Bridge's provider
+# builds (multi-latent attention, sigmoid routing with an expert bias, shared experts): bridge mode only.
+BRIDGE_FAMILIES = {"deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4.5"}
 
 
 class MegatronSetupError(ValueError):
@@ -37,6 +40,9 @@ class MoESettings:
     token_drop_policy: str = "probs"
     grouped_gemm: bool = False
     permute_fusion: bool = False
+    # --moe-router-bias-update-rate: how far each step moves the expert bias (BRIDGE_FAMILIES' aux-loss-free
+    # balancing); None: the provider's (Megatron's 1e-3 for DeepSeek-V3, 0 for GLM-4.5).
+    expert_bias_update_rate: float | None = None
 
     @classmethod
     def from_flags(cls, flags: dict[str, Any], aux_loss_coeff: float = 0.0) -> MoESettings:
@@ -47,6 +53,7 @@ class MoESettings:
             token_drop_policy=flags.get("moe-token-drop-policy") or "probs",
             grouped_gemm=bool(flags.get("moe-grouped-gemm", False)),
             permute_fusion=bool(flags.get("moe-permute-fusion", False)),
+            expert_bias_update_rate=flags.get("moe-router-bias-update-rate"),
         )
         expert = int(flags.get("expert-model-parallel-size") or 1)
         if settings.token_dispatcher == "allgather" and expert > 1:
@@ -86,6 +93,7 @@ class ParallelLayout:
     # Gradients reduced across data-parallel ranks in fp32 (exact reductions) unless turned off.
     grad_reduce_in_fp32: bool = True
     gradient_accumulation_fusion: bool = True  # where Transformer Engine's fused kernels exist
+    rope_fusion: bool = True  # likewise; --no-rope-fusion turns it off
     moe: MoESettings = field(default_factory=MoESettings)
 
     @classmethod
@@ -113,6 +121,7 @@ class ParallelLayout:
             attention_backend=backend,
             grad_reduce_in_fp32=flags.get("accumulate-allreduce-grads-in-fp32", True),
             gradient_accumulation_fusion=not flags.get("no-gradient-accumulation-fusion", False),
+            rope_fusion=not flags.get("no-rope-fusion", False),
             moe=MoESettings.from_flags(flags, moe_aux_loss_coeff),
         )
         if layout.attention_backend is not None:

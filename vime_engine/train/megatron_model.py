@@ -120,7 +120,7 @@ def build_model(
 ) -> list[torch.nn.Module]:
     """This rank's Megatron GPT model (one chunk: its pipeline stage), with the HF weights of `hf_dir` loaded
     through `mapping` (default: raw) when given (otherwise Megatron's random init, e.g. before loading a torch_dist
-    checkpoint).
+    checkpoint). A family Megatron-Bridge builds (`arch.built_by_bridge`) is built by `mapping`, the bridge's.
 
     Mixed-precision wrapper for bf16 / fp16, Megatron's DDP wrapper when `ddp_config` is given; with
     `routing_replay`, a RouterReplay in every MoE layer's router (vime_engine.train.megatron_routing_replay).
@@ -129,17 +129,24 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    config = mh.transformer_config(arch, layout, dtype, use_cpu_initialization=accelerator.kind == "cpu")
-    config.moe_enable_routing_replay = routing_replay  # read by each router as it is built
-    # Megatron-Bridge reads the tying from the model's config (its providers carry the field; GPTModel takes it as an
-    # argument): without it the bridge would map the last pipeline stage's output layer to a missing lm_head.weight.
-    config.share_embeddings_and_output_weights = arch.tied_embeddings
-    model: torch.nn.Module = GPTModel(
-        config, mh.layer_spec(arch, config), vocab_size=arch.padded_vocab_size(layout.tensor),
-        max_sequence_length=arch.max_positions, pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=arch.tied_embeddings,
-        position_embedding_type="rope", rotary_base=arch.rope_theta,
-    )
+    if arch.built_by_bridge:
+        model: torch.nn.Module = _bridge_mapping(mapping, arch).build_gpt(
+            layout, dtype, use_cpu_initialization=accelerator.kind == "cpu", routing_replay=routing_replay)
+        config = model.config
+    else:
+        config = mh.transformer_config(arch, layout, dtype, use_cpu_initialization=accelerator.kind == "cpu")
+        config.moe_enable_routing_replay = routing_replay  # read by each router as it is built
+        # Megatron-Bridge reads the tying from the model's config (its providers carry the field; GPTModel takes it as
+        # an argument): without it the bridge would map the last pipeline stage's output layer to a missing
+        # lm_head.weight.
+        config.share_embeddings_and_output_weights = arch.tied_embeddings
+        model = GPTModel(
+            config, mh.layer_spec(arch, config), vocab_size=arch.padded_vocab_size(layout.tensor),
+            max_sequence_length=arch.max_positions, pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=arch.tied_embeddings, position_embedding_type="rope",
+            rotary_base=arch.rope_theta,
+        )
     for param in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     model.to(accelerator.torch_device)
@@ -150,6 +157,15 @@ def build_model(
     if ddp_config is not None:
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     return [model]
+
+
+def _bridge_mapping(mapping: HFMapping | None, arch: HFArchitecture):
+    from vime_engine.train.megatron_bridge import BridgeMapping
+
+    if not isinstance(mapping, BridgeMapping):
+        raise mh.UnsupportedHFModel(f"model_type {arch.model_type!r}: Megatron-Bridge builds this family; use "
+                                    "--megatron-to-hf-mode bridge")
+    return mapping
 
 
 def build_model_from(
@@ -167,7 +183,8 @@ def build_model_from(
     if not is_converted_checkpoint(source):
         return build_model(arch, layout, dtype, accelerator, hf_dir=source, ddp_config=ddp_config,
                            routing_replay=routing_replay, mapping=mapping)
-    model = build_model(arch, layout, dtype, accelerator, ddp_config=ddp_config, routing_replay=routing_replay)
+    model = build_model(arch, layout, dtype, accelerator, ddp_config=ddp_config, routing_replay=routing_replay,
+                        mapping=mapping)
     load_weights_from(model, source, arch)
     return model
 

@@ -11,6 +11,12 @@ linear layer except the q/k/v projections' where --add-qkv-bias keeps them; --mo
 2N, … MoE layers (HF's decoder_sparse_step N makes layers N-1, 2N-1, … MoE layers), or gives the pattern itself
 ("[0]*1+[1]*46", "[1, 1, 0]").
 
+DeepSeek-V3 and GLM-4.5 (BRIDGE_FAMILIES, built by Megatron-Bridge under --megatron-to-hf-mode bridge) are described
+by their own flags too: multi-latent attention's ranks and head sizes, sigmoid routing with an expert bias, group-limited
+routing (--moe-router-num-groups, --moe-router-group-topk), shared experts, the dense first layers
+(first_k_dense_replace), YaRN's mscale, multi-token prediction. Their routers score by sigmoid, where Megatron reads
+--moe-router-pre-softmax not at all (it picks softmax's order only), so that flag passes either way for them.
+
 The expert-parallel layout is checked against the model here too (`check_expert_layout`): its experts must split
 over --expert-model-parallel-size, and Megatron's rules for MoE layers hold.
 """
@@ -22,6 +28,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from vime_engine.train.megatron_layout import BRIDGE_FAMILIES
+
 
 class ModelFlagMismatch(ValueError):
     """A model-architecture flag that does not describe the model in --hf-checkpoint."""
@@ -52,13 +61,21 @@ class HFView:
     def num_experts(self) -> int | None:
         """Routed experts of each MoE layer (config.json's num_experts; transformers 5 writes num_local_experts);
         None for a dense model."""
-        return self.get("num_experts") or self.get("num_local_experts")
+        return self.get("num_experts") or self.get("num_local_experts") or self.get("n_routed_experts")
+
+    @property
+    def bridge_family(self) -> bool:
+        """DeepSeek-V3 or GLM-4.5: sigmoid routing with an expert bias, shared experts, the first layers dense."""
+        return self.get("model_type") in BRIDGE_FAMILIES
 
     @property
     def moe_layer_pattern(self) -> tuple[int, ...] | None:
         """Per layer: 1 a MoE layer, 0 a dense one (None for a dense model)."""
         if not self.num_experts:
             return None
+        if self.bridge_family:
+            layers, dense = self.config["num_hidden_layers"], self.get("first_k_dense_replace") or 0
+            return (0,) * dense + (1,) * (layers - dense)
         return moe_layer_pattern(self.config["num_hidden_layers"], self.get("decoder_sparse_step") or 1,
                                  self.get("mlp_only_layers") or [])
 
@@ -81,17 +98,42 @@ class HFView:
 
     @property
     def other_linear_bias(self) -> bool:
-        """Biases on the attention output and MLP projections (Qwen2's attention_bias covers q/k/v only)."""
-        o_proj = self.get("model_type") != "qwen2" and bool(self.get("attention_bias", False))
+        """Biases on the attention output and MLP projections (Qwen2's and GLM-4.5's attention_bias covers q/k/v
+        only)."""
+        o_proj = self.get("model_type") not in ("qwen2", "glm4_moe") and bool(self.get("attention_bias", False))
         return o_proj or bool(self.get("mlp_bias", False))
+
+    @property
+    def qk_norm(self) -> bool:
+        """Megatron's qk_layernorm: Qwen3's per-head q/k RMSNorm, GLM-4.5's (use_qk_norm), and under multi-latent
+        attention the RMSNorms of the q and kv latents (DeepSeek-V3's q_a_layernorm, kv_a_layernorm)."""
+        return (self.get("model_type") in ("qwen3", "qwen3_moe") or bool(self.get("use_qk_norm", False))
+                or self.mla)
+
+    @property
+    def mla(self) -> bool:
+        return self.get("kv_lora_rank") is not None
+
+    @property
+    def score_function(self) -> str:
+        return "sigmoid" if self.bridge_family else "softmax"
+
+    @property
+    def shared_expert_size(self) -> int:
+        if self.bridge_family:
+            return (self.get("n_shared_experts") or 0) * self.config["moe_intermediate_size"]
+        return self.get("shared_expert_intermediate_size") or 0
 
 
 @dataclass(frozen=True)
 class Rule:
     """One flag: the config.json field it describes and the value the model has there."""
 
-    hf_field: str
+    hf_field: str | Callable[[HFView], str]  # the field's name, or how to name it for this model
     model_value: Callable[[HFView], Any]
+
+    def field_of(self, model: HFView) -> str:
+        return self.hf_field(model) if callable(self.hf_field) else self.hf_field
 
 
 def _same(flag_value: Any, model_value: Any) -> bool:
@@ -141,15 +183,18 @@ RULES: dict[str, Rule] = {
     "hidden-size": Rule("hidden_size", lambda m: m.get("hidden_size")),
     "ffn-hidden-size": Rule("intermediate_size", lambda m: m.get("intermediate_size")),
     "num-attention-heads": Rule("num_attention_heads", lambda m: m.heads),
-    "kv-channels": Rule("head_dim", lambda m: m.head_dim),
+    # Megatron's multi-latent attention reads its own head sizes, not kv-channels: vime's DeepSeek-V3 script gives it
+    # the value heads' size.
+    "kv-channels": Rule(lambda m: "v_head_dim (multi-latent attention)" if m.mla else "head_dim",
+                        lambda m: m.get("v_head_dim") if m.mla else m.head_dim),
     "vocab-size": Rule("vocab_size", lambda m: m.get("vocab_size")),
     "max-position-embeddings": Rule("max_position_embeddings", lambda m: m.get("max_position_embeddings")),
     "norm-epsilon": Rule("rms_norm_eps", lambda m: m.get("rms_norm_eps")),
     "rotary-base": Rule("rope_theta", lambda m: m.rope_theta),
     "rotary-scaling-factor": Rule("rope_scaling.factor", lambda m: m.rope.get("factor")),
     "swiglu": Rule("hidden_act (silu: a gated SiLU MLP)", lambda m: m.get("hidden_act", "silu") in ("silu", "swish")),
-    "qk-layernorm": Rule("model_type (Qwen3's and Qwen3-MoE's per-head q/k RMSNorm)",
-                         lambda m: m.get("model_type") in ("qwen3", "qwen3_moe")),
+    "qk-layernorm": Rule("model_type (Qwen3's per-head q/k RMSNorm; GLM-4.5's use_qk_norm; DeepSeek-V3's latent norms)",
+                         lambda m: m.qk_norm),
     "add-qkv-bias": Rule("q/k/v projection biases (Qwen2, attention_bias)", lambda m: m.qkv_bias),
     "disable-bias-linear": Rule("attention_bias / mlp_bias", lambda m: not m.other_linear_bias),
     "untie-embeddings-and-output-weights": Rule("tie_word_embeddings", lambda m: not m.get("tie_word_embeddings", False)),
@@ -163,36 +208,60 @@ RULES: dict[str, Rule] = {
                                    lambda m: not m.get("norm_topk_prob", False)),
     "moe-router-topk-scaling-factor": Rule("routed_scaling_factor (Qwen3-MoE: none, 1.0)",
                                            lambda m: float(m.get("routed_scaling_factor") or 1.0)),
-    "moe-shared-expert-intermediate-size": Rule("shared_expert_intermediate_size (Qwen3-MoE: no shared expert)",
-                                                lambda m: m.get("shared_expert_intermediate_size") or 0),
+    "moe-shared-expert-intermediate-size": Rule(
+        "shared_expert_intermediate_size (Qwen3-MoE: no shared expert; DeepSeek-V3, GLM-4.5: n_shared_experts × "
+        "moe_intermediate_size)", lambda m: m.shared_expert_size),
     "rotary-percent": Rule("partial_rotary_factor", lambda m: float(m.get("partial_rotary_factor") or 1.0)),
+    "moe-router-score-function": Rule("model_type (Qwen3-MoE scores experts by softmax; DeepSeek-V3 and GLM-4.5 by "
+                                      "sigmoid)", lambda m: m.score_function),
+    "moe-router-enable-expert-bias": Rule("model_type (DeepSeek-V3's and GLM-4.5's e_score_correction_bias, their "
+                                          "aux-loss-free balancing)", lambda m: m.bridge_family),
+    "moe-router-num-groups": Rule("n_group", lambda m: m.get("n_group")),
+    "moe-router-group-topk": Rule("topk_group", lambda m: m.get("topk_group")),
+    "multi-latent-attention": Rule("kv_lora_rank (multi-latent attention)", lambda m: m.mla),
+    "q-lora-rank": Rule("q_lora_rank", lambda m: m.get("q_lora_rank")),
+    "kv-lora-rank": Rule("kv_lora_rank", lambda m: m.get("kv_lora_rank")),
+    "qk-head-dim": Rule("qk_nope_head_dim", lambda m: m.get("qk_nope_head_dim")),
+    "qk-pos-emb-head-dim": Rule("qk_rope_head_dim", lambda m: m.get("qk_rope_head_dim")),
+    "v-head-dim": Rule("v_head_dim", lambda m: m.get("v_head_dim")),
+    "mscale": Rule("rope_scaling.mscale (YaRN; 1.0 without it)", lambda m: float(m.rope.get("mscale", 1.0))),
+    "mscale-all-dim": Rule("rope_scaling.mscale_all_dim (YaRN; 0 without it)",
+                           lambda m: float(m.rope.get("mscale_all_dim", 0.0))),
+    "mtp-num-layers": Rule("num_nextn_predict_layers", lambda m: m.get("num_nextn_predict_layers") or 0),
 }
-# Flags that ask for a router the engine's mixture-of-experts families (Qwen3-MoE) do not have, refused when given.
-REFUSED: dict[str, str] = {
-    "moe-router-enable-expert-bias": "an expert bias added to the router's scores (DeepSeek-V3's and GLM-4.5's "
-                                     "aux-loss-free balancing); Qwen3-MoE's router has none",
-    "moe-router-bias-update-rate": "it moves the expert bias of --moe-router-enable-expert-bias (DeepSeek-V3's and "
-                                   "GLM-4.5's aux-loss-free balancing); Qwen3-MoE's router has none",
+# Flags that ask for a router the model does not have, refused when given.
+REFUSED: dict[str, tuple[Callable[[HFView], bool], str]] = {
+    "moe-router-bias-update-rate": (
+        lambda m: not m.bridge_family,
+        "it moves the expert bias of --moe-router-enable-expert-bias (DeepSeek-V3's and GLM-4.5's aux-loss-free "
+        "balancing); this model's router has none"),
 }
+# Megatron reads --moe-router-pre-softmax under softmax scores only: for sigmoid-scored models either value passes.
+_SOFTMAX_ONLY = ("moe-router-pre-softmax",)
 # Flags that choose among architectures: the value the engine builds, and why another is refused.
 CHOICES: dict[str, tuple[str, str]] = {
     "normalization": ("RMSNorm", "the engine builds RMSNorm models only (Llama, Qwen2, Qwen3)"),
     "position-embedding-type": ("rope", "the engine builds rotary position embeddings only (learned absolute "
                                         "positions are not built)"),
-    "moe-router-score-function": ("softmax", "the engine's mixture-of-experts models (Qwen3-MoE) score experts by "
-                                             "a softmax over the router's logits"),
     "moe-router-load-balancing-type": ("aux_loss", "every backend adds the Switch Transformer loss (aux_loss) of "
                                                    "each micro-batch; --moe-aux-loss-coeff 0 turns it off"),
 }
+# Load-balancing losses that, with --moe-aux-loss-coeff 0 (vime's DeepSeek-V3 and GLM-4.5 scripts), add nothing: named
+# then, they change nothing, so they pass.
+_UNWEIGHTED_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 MODEL_FLAGS = (*RULES, *CHOICES, *REFUSED, "group-query-attention", "num-query-groups", "moe-layer-freq")
 
 
-def check_model_flags(flags: dict[str, Any], config: dict[str, Any], where: str) -> None:
+def check_model_flags(flags: dict[str, Any], config: dict[str, Any], where: str, aux_loss_coeff: float = 0.0) -> None:
     """Raise ModelFlagMismatch for the first flag in `flags` (Megatron flags by name) that does not describe the
-    model whose config.json is `config` (read from `where`). Flags not given are not checked."""
+    model whose config.json is `config` (read from `where`), --moe-aux-loss-coeff being `aux_loss_coeff`. Flags
+    not given are not checked."""
     model = HFView(config)
-    for flag, why in REFUSED.items():
-        if flags.get(flag) is not None and flags[flag] is not False:
+    balancing = flags.get("moe-router-load-balancing-type")
+    if aux_loss_coeff == 0 and balancing in _UNWEIGHTED_LOSSES:
+        flags = {k: v for k, v in flags.items() if k != "moe-router-load-balancing-type"}
+    for flag, (refused, why) in REFUSED.items():
+        if flags.get(flag) is not None and flags[flag] is not False and refused(model):
             shown = "" if flags[flag] is True else f" {flags[flag]}"
             raise ModelFlagMismatch(f"--{flag}{shown}: {why}; drop the flag")
     for flag, (built, why) in CHOICES.items():
@@ -202,8 +271,10 @@ def check_model_flags(flags: dict[str, Any], config: dict[str, Any], where: str)
     if use_rope is False:
         raise ModelFlagMismatch(f"--use-rotary-position-embeddings false: {CHOICES['position-embedding-type'][1]}")
     for flag, rule in RULES.items():
+        if flag in _SOFTMAX_ONLY and model.score_function != "softmax":
+            continue
         if flag in flags and not _same(flags[flag], rule.model_value(model)):
-            _refuse(flag, flags[flag], rule.hf_field, rule.model_value(model), where)
+            _refuse(flag, flags[flag], rule.field_of(model), rule.model_value(model), where)
     if "group-query-attention" in flags or "num-query-groups" in flags:
         groups = flags.get("num-query-groups", 1) if flags.get("group-query-attention") else model.heads
         if groups != model.kv_heads:
