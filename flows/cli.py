@@ -337,7 +337,7 @@ def modelarts_entrypoint(
 
 @app.command()
 def convert(
-    source: Path = typer.Argument(..., help="the checkpoint to convert"),
+    source: str = typer.Argument(..., help="the checkpoint to convert (a directory, or builtin://NAME: an HF model)"),
     dest: Path = typer.Argument(..., help="where to write the converted checkpoint"),
     direction: str = typer.Option("hf_to_megatron", help="hf_to_megatron | megatron_to_hf"),
     megatron_to_hf_mode: str = typer.Option(
@@ -346,19 +346,28 @@ def convert(
 ) -> None:
     """Convert HF <-> Megatron torch_dist, verified by a round trip (needs megatron-core; megatron-bridge in bridge
     mode)."""
+    from vime_engine.assets import resolve_model
     from vime_engine.convert import convert_checkpoint
     from vime_engine.devices.accelerator import resolve_accelerator
-    from vime_engine.preflight import PreflightError, require_megatron, require_megatron_bridge
+    from vime_engine.preflight import (
+        PreflightError,
+        check_megatron_mapping,
+        require_megatron,
+        require_megatron_bridge,
+    )
 
     if megatron_to_hf_mode not in ("raw", "bridge"):
         raise typer.BadParameter(f"{megatron_to_hf_mode!r}: expected raw or bridge", param_hint="--megatron-to-hf-mode")
-    try:  # the install hint, before a model is read
+    try:  # the install hint and a family the mode does not build, before a model is read
         require_megatron()
         if megatron_to_hf_mode == "bridge":
             require_megatron_bridge()
+        hf_model = resolve_model(source)
+        if direction == "hf_to_megatron":
+            check_megatron_mapping(hf_model, "source", megatron_to_hf_mode)
     except PreflightError as exc:
         raise _fail(exc, verbose=False) from None
-    result = convert_checkpoint(source, dest, direction, resolve_accelerator(), mode=megatron_to_hf_mode)
+    result = convert_checkpoint(Path(hf_model), dest, direction, resolve_accelerator(), mode=megatron_to_hf_mode)
     console.print(f"converted: {result}")
 
 

@@ -76,9 +76,9 @@ def check_inputs(cfg: EngineConfig) -> None:
     if cfg.train.train_backend == "megatron":
         _check_megatron_settings(cfg.megatron, model_config, config_file)
         mode = cfg.train.megatron_to_hf_mode
-        _check_megatron_mapping(cfg.model.hf_checkpoint, "--hf-checkpoint", mode)
+        check_megatron_mapping(cfg.model.hf_checkpoint, "--hf-checkpoint", mode)
         if ref_load is not None and not torch_dist_ref:
-            _check_megatron_mapping(ref_load, "--ref-load", mode)
+            check_megatron_mapping(ref_load, "--ref-load", mode)
     _check_plugins(cfg)
     _check_checkpoints(cfg)
     check_can_make_dir(Path(cfg.logging.output_dir), "--output-dir", OUTPUT_DIR_HOLDS)
@@ -228,7 +228,7 @@ def _check_torch_dist_ref(cfg: EngineConfig) -> None:
             f"({', '.join(differ)}); convert --hf-checkpoint's model (vimeflow convert) and give that")
 
 
-def _check_megatron_mapping(path: str, flag: str, mode: str) -> None:
+def check_megatron_mapping(path: str, flag: str, mode: str) -> None:
     """The Megatron backend builds this architecture (a family or setting it would get wrong is named); with
     --megatron-to-hf-mode bridge, Megatron-Bridge builds the families our mapping lacks."""
     from vime_engine.train.megatron_hf import HFArchitecture, UnsupportedHFModel

@@ -25,6 +25,7 @@ from vime_engine.preflight import (
     DamagedSafetensors,
     PreflightError,
     check_inputs,
+    check_megatron_mapping,
     check_on_device,
     module_available,
     preflight,
@@ -421,15 +422,26 @@ def test_preflight_errors_are_config_errors():
 def test_a_family_only_the_bridge_builds_is_refused_in_raw_mode_naming_bridge_mode(tmp_path: Path, tiny_model: Path):
     # DeepSeek-V3 and GLM-4.5 have no Megatron mapping of the engine's own: Megatron-Bridge's provider builds them
     # (tests/megatron/test_bridge_families.py); a family neither builds is refused in both modes, naming those that are.
-    from vime_engine.preflight import _check_megatron_mapping
-
     _as_model_type(tmp_path / "m", tiny_model, "deepseek_v3")
     with pytest.raises(ConfigError, match="model_type 'deepseek_v3' .*use --megatron-to-hf-mode bridge"):
-        _check_megatron_mapping(str(tmp_path / "m"), "--hf-checkpoint", "raw")
+        check_megatron_mapping(str(tmp_path / "m"), "--hf-checkpoint", "raw")
     _as_model_type(tmp_path / "g", tiny_model, "gpt_neox")
     with pytest.raises(ConfigError, match="model_type 'gpt_neox' has no Megatron mapping.*deepseek_v3 with "
                                           "--megatron-to-hf-mode bridge"):
-        _check_megatron_mapping(str(tmp_path / "g"), "--hf-checkpoint", "bridge")
+        check_megatron_mapping(str(tmp_path / "g"), "--hf-checkpoint", "bridge")
+
+
+def test_vimeflow_convert_refuses_a_family_its_mode_does_not_build_before_a_model_is_read(tmp_path: Path,
+                                                                                         tiny_model: Path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    _as_model_type(tmp_path / "m", tiny_model, "deepseek_v3")
+    done = CliRunner().invoke(app, ["convert", str(tmp_path / "m"), str(tmp_path / "out")])
+    assert done.exit_code == 2, done.output
+    assert "source " in done.output and "use --megatron-to-hf-mode bridge" in done.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_half_precision_megatron_is_refused_on_cpu_before_ray_starts():
