@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -372,7 +373,14 @@ def convert(
 
 
 def main() -> None:
-    app(prog_name="vimeflow")
+    try:
+        app(prog_name="vimeflow")
+    finally:
+        # The process ends here. Python's teardown runs a last garbage collection over every object still alive,
+        # which after a `vimeflow train` (torch, transformers and Ray in the driver) took 1.4 s of a tiny run's
+        # 20; it leaves frozen objects out, whose memory the OS takes back anyway. atexit handlers (Ray's,
+        # logging's flush) still run.
+        gc.freeze()
 
 
 if __name__ == "__main__":

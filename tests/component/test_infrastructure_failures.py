@@ -23,6 +23,7 @@ from tasks.engine_job.process import (
     EngineCodeFailure, EngineConfigFailure, InfrastructureFailure, failure_for_exit, run_engine_job,
 )
 from vime_engine.config import ConfigError
+from vime_engine.runtime.cluster import UNUSED_DAEMONS
 from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,6 +119,19 @@ def _engine_tree() -> list[psutil.Process]:
     return []
 
 
+def _unused_daemons_running(procs: list[psutil.Process]) -> list[str]:
+    """The command lines of Ray's head processes that the private cluster ends once started (UNUSED_DAEMONS) and
+    that still run (ended, they stay zombies until Ray reaps them at its shutdown)."""
+    running = []
+    for proc in procs:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and any(arg.endswith(UNUSED_DAEMONS) for arg in proc.cmdline()):
+                running.append(" ".join(proc.cmdline()))
+        except psutil.Error:  # ended meanwhile
+            pass
+    return running
+
+
 def _name(proc: psutil.Process) -> str:
     try:
         return proc.name()
@@ -161,12 +175,14 @@ def test_a_raylet_killed_under_a_run_is_a_retryable_infrastructure_failure(tmp_p
         time.sleep(0.2)  # until the actors exist: by then every Ray server of the cluster listens
         engine_tree = _engine_tree()
     listening = _listening_addresses(engine_tree)
+    unused_daemons = _unused_daemons_running(engine_tree)
     runner.join(timeout=300)
     assert not runner.is_alive(), "the engine went on without its raylet"
     assert marker.is_file(), f"the raylet was never killed: {outcome.get('error')!r}"
     assert isinstance(outcome.get("error"), InfrastructureFailure), repr(outcome.get("error"))
     assert "without reporting an outcome" in str(outcome["error"])
     assert listening and all(_is_loopback(ip) for ip in listening), f"the local cluster listens on {listening}"
+    assert not unused_daemons, f"Ray's autoscaler monitor or API server still runs: {unused_daemons}"
     try:  # the actors and the cluster's servers follow their driver; nothing keeps memory for the next attempt
         deadline = time.monotonic() + 30
         while (left := [_name(p) for p in engine_tree if p.is_running() and _name(p) not in SLOW_AGENTS]) \

@@ -86,6 +86,18 @@ def device_engine_kwargs(device_kind: str, tuning: DeviceTuning, max_model_len: 
     return kwargs
 
 
+def compile_off_in_this_process() -> None:
+    """Turn torch.compile into a plain call in this process, for an eager engine on CPU.
+
+    Eager, vLLM still compiles one function on its sampling path: the rank of each sampled token among the
+    vocabulary's log-probs (vllm.v1.sample.ops.logprobs.batched_count_greater_than, a count of larger values).
+    Inductor built it at every run's first generate: ~1.5 s of the time to the first rollout on 2 cores
+    (bench/startup.py). The count is an integer, the same eager, and nothing else in the process compiles (the
+    torch backends and the engine's model run eagerly), so samples and log-probs stay bit-identical.
+    """
+    torch._dynamo.config.disable = True
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     model_path: str
@@ -156,6 +168,8 @@ class VLLMEngine:
 
         self.engine_args = vllm_engine_args(settings, current_platform.device_type,
                                             current_platform.is_sleep_mode_available())
+        if current_platform.device_type == "cpu" and self.engine_args["enforce_eager"]:
+            compile_off_in_this_process()
         self.max_model_len = self.engine_args["max_model_len"]  # prompt + response tokens a request may hold
         self.llm = LLM(**self.engine_args)
         self.weight_version = 0

@@ -149,10 +149,27 @@ def _start_private_cluster(temp_dir: str, num_cpus: int | None) -> None:
             "prestart_worker_first_driver": False,
         },
     )
+    stop_unused_daemons(temp_dir)
     node_ip = ray.util.get_node_ip_address()
     if not ipaddress.ip_address(node_ip).is_loopback:
         log.warning("the local Ray cluster listens on %s, not only on 127.0.0.1: Ray was imported before "
                     "keep_local_ray_on_loopback(None) was called", node_ip)
+
+
+# Ray's head processes that a private cluster of a fixed size has no use for: the autoscaler's monitor (nothing to
+# scale) and the API server that `ray.init(include_dashboard=False)` still starts (it serves the dashboard's and the
+# job and state APIs, none of which a run calls). Ray waits for both at start, then they only compete with the actors
+# for the cores (~2 CPU-s of imports on 2 cores while the actor starts); at `ray.shutdown` the monitor ignores
+# SIGTERM for its full second before Ray kills it.
+UNUSED_DAEMONS = ("ray/autoscaler/_private/monitor.py", "ray/dashboard/dashboard.py")
+
+
+def stop_unused_daemons(temp_dir: str) -> None:
+    """SIGKILL the private cluster's UNUSED_DAEMONS (Ray reaps them at shutdown, finding them ended)."""
+    for process in cluster_processes(temp_dir):
+        with contextlib.suppress(psutil.Error):
+            if any(arg.endswith(UNUSED_DAEMONS) for arg in process.cmdline()):
+                process.kill()
 
 
 @contextlib.contextmanager
