@@ -363,12 +363,12 @@ def convert(
         require_megatron()
         if megatron_to_hf_mode == "bridge":
             require_megatron_bridge()
-        hf_model = resolve_model(source)
+        source_dir = resolve_model(source)  # an HF directory or a torch_dist one; builtin:// names the first
         if direction == "hf_to_megatron":
-            check_megatron_mapping(hf_model, "source", megatron_to_hf_mode)
+            check_megatron_mapping(source_dir, "source", megatron_to_hf_mode)
     except PreflightError as exc:
         raise _fail(exc, verbose=False) from None
-    result = convert_checkpoint(Path(hf_model), dest, direction, resolve_accelerator(), mode=megatron_to_hf_mode)
+    result = convert_checkpoint(Path(source_dir), dest, direction, resolve_accelerator(), mode=megatron_to_hf_mode)
     console.print(f"converted: {result}")
 
 
