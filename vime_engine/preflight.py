@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from vime_engine.checkpoint import store as ckpt
 from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.data.datasets import DatasetError, NumberedRecord, read_prompt_rows
+from vime_engine.devices.accelerator import cpu_thread_limit
 from vime_engine.data.prompt_length import FLAG as MAX_PROMPT_FLAG
 from vime_engine.data.prompt_length import load_tokenizer, prompt_lengths, short_enough
 from vime_engine.rewards.labels import label_problem
@@ -303,6 +304,11 @@ def check_on_device(cfg: EngineConfig, device_kind: str) -> None:
             f"--dtype {cfg.model.dtype} with --train-backend megatron on CPU: megatron-core's mixed-precision "
             "optimizer (Float16OptimizerWithFloat16Params) takes CUDA tensors only; train in float32 on CPU "
             "(--dtype float32), or with --train-backend torch, which trains half precision on CPU")
+    if device_kind == "cpu":
+        try:
+            cpu_thread_limit()
+        except ValueError as error:
+            raise PreflightError(str(error)) from None
 
 
 def check_model_dir(path: str, flag: str) -> dict[str, Any]:

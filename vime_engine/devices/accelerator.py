@@ -41,25 +41,44 @@ NPU = Accelerator(
 )
 
 
-def cpu_threads(cores: int, group_on_node: int, overlapped: bool) -> int:
+# At most this many torch threads an actor (set on every node of the cluster): for a machine that other work
+# shares. Each OpenMP region of a kernel waits for all of its threads, so a thread that loses its core to another
+# process stalls every layer (bench/cpu_threads.py).
+CPU_THREADS_ENV = "VIMEFLOW_CPU_THREADS"
+
+
+def cpu_threads(cores: int, group_on_node: int, overlapped: bool, limit: int | None = None) -> int:
     """Torch threads of one CPU actor, a trainer rank or an engine, of a group with `group_on_node` actors on a
-    node of `cores` cores.
+    node of `cores` cores, at most `limit` (None: no limit).
 
     Ray starts a one-CPU actor with OMP_NUM_THREADS=1, which left a core idle whenever one side worked. In the
     synchronous loop the engines wait while the trainer trains and the other way round, so each group's actors
     split all the node's cores; under --async-rollout the two sides work at once and the other keeps a share.
     """
-    return max(1, cores // (group_on_node + (1 if overlapped else 0)))
+    share = max(1, cores // (group_on_node + (1 if overlapped else 0)))
+    return share if limit is None else min(share, limit)
+
+
+def cpu_thread_limit() -> int | None:
+    """CPU_THREADS_ENV as a positive number of threads, None when unset; ValueError naming it otherwise."""
+    import os
+
+    value = os.environ.get(CPU_THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{CPU_THREADS_ENV}={value!r}: give a whole number of threads, 1 or more, or unset it")
+    return int(value)
 
 
 def use_cpu_share(group_on_node: int, overlapped: bool) -> None:
-    """Run this process's torch on its `cpu_threads` share of the cores it may use (before vLLM starts: its CPU
-    backend refuses a thread count set later)."""
+    """Run this process's torch on its `cpu_threads` share of the cores it may use, within CPU_THREADS_ENV (before
+    vLLM starts: its CPU backend refuses a thread count set later)."""
     import os
 
     import torch
 
-    torch.set_num_threads(cpu_threads(len(os.sched_getaffinity(0)), group_on_node, overlapped))
+    torch.set_num_threads(cpu_threads(len(os.sched_getaffinity(0)), group_on_node, overlapped, cpu_thread_limit()))
 
 
 def resolve_accelerator(choice: str = "auto") -> Accelerator:
