@@ -348,12 +348,15 @@ class MegatronTrainBackend:
             yield name, tensor.detach()
 
     def save_hf(self, directory: str | Path, tokenizer_from: str | None = None) -> Path:
-        """An HF directory (safetensors + config + tokenizer) of the current weights; collective, rank 0 writes."""
+        """An HF directory (safetensors + config + tokenizer) of the current weights, with the multi-token-prediction
+        layers the policy does not hold carried unchanged from its initial weights; collective, rank 0 writes."""
         from vime_engine.train.megatron_hf import copy_non_weight_files
+        from vime_engine.train.megatron_mtp import carried_mtp_tensors
 
         directory = Path(directory)
         weights = {name: t.cpu() for name, t in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=False,
                                                                          mapping=self.hf_mapping)}
+        weights.update(carried_mtp_tensors(self.initial_weights, self.arch))
         if torch.distributed.get_rank() == 0:
             self.mm.save_hf_weights(weights, directory)
             copy_non_weight_files(Path(tokenizer_from or self.cfg.model.hf_checkpoint), directory)
