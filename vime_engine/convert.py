@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from vime_engine.devices.accelerator import CPU, Accelerator, prepare_accelerator
 from vime_engine.train.megatron_hf import MARKER, copy_non_weight_files
 from vime_engine.train.megatron_layout import MegatronToHFMode
-from vime_engine.train.megatron_mtp import MTP_TENSORS_FILE, carried_mtp_tensors
+from vime_engine.train.megatron_mtp import MTP_TENSORS_FILE, carried_mtp_tensors, require_kept_mtp_tensors
 
 Direction = Literal["hf_to_megatron", "megatron_to_hf"]
 LOGPROB_TOLERANCE = 1e-5
@@ -132,6 +132,7 @@ def _megatron_to_hf(mm, source: Path, dest: Path, accelerator: Accelerator,
             f"{mm.HF_CONFIG_DIR}/ (write one with direction hf_to_megatron)"
         )
     arch = mm.HFArchitecture.from_pretrained(hf_config_dir, bridge=mode == "bridge")
+    require_kept_mtp_tensors(source, arch)
     mapping = mm.hf_mapping(mode, arch, hf_config_dir)
     model = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator, mapping=mapping)
     mm.load_torch_dist(mm.model_sharded_state_dict(model), source / mm.TORCH_DIST_ITERATION_DIR)

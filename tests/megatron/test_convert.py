@@ -90,7 +90,8 @@ def test_bridge_and_raw_conversions_read_each_others_checkpoints(tiny_qwen3_moe,
 def test_a_family_only_the_bridge_builds_converts_through_it_exactly(tiny_deepseek_v3_mtp, tmp_path):
     """builtin://tiny-deepseek-v3-mtp HF → torch_dist → HF in bridge mode gives back every tensor (the expert bias,
     a buffer in Megatron, included) bit for bit: its multi-token-prediction layer, which the Megatron model does not
-    hold, waits beside the torch_dist weights and is carried back unchanged. Raw mode refuses it naming bridge mode."""
+    hold, waits beside the torch_dist weights and is carried back unchanged (without that file the way back is refused).
+    Raw mode refuses it naming bridge mode."""
     from vime_engine.train.megatron_hf import UnsupportedHFModel
     from vime_engine.train.megatron_mtp import MTP_TENSORS_FILE
 
@@ -104,5 +105,9 @@ def test_a_family_only_the_bridge_builds_converts_through_it_exactly(tiny_deepse
     kept = load_file(tmp_path / "megatron" / MTP_TENSORS_FILE)
     assert set(kept) == {n for n in source if n.startswith("model.layers.2.")} and len(kept) == 32
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    (tmp_path / "megatron" / MTP_TENSORS_FILE).unlink()  # the way back would lose the MTP layer: refused, named
+    with pytest.raises(FileNotFoundError, match=f"{MTP_TENSORS_FILE}: missing; .* 1 multi-token-prediction layer"):
+        convert_checkpoint(tmp_path / "megatron", tmp_path / "hf-without", "megatron_to_hf", mode="bridge")
+    assert not (tmp_path / "hf-without").exists()
     with pytest.raises(UnsupportedHFModel, match="use --megatron-to-hf-mode bridge"):
         convert_checkpoint(source_dir, tmp_path / "raw", "hf_to_megatron")

@@ -44,6 +44,16 @@ def say_mtp_skipped(source: str, mtp_layers: int) -> None:
                 "and carried unchanged into --save-hf and vimeflow convert", source, mtp_layers)
 
 
+def require_kept_mtp_tensors(source: str | Path, arch: HFArchitecture) -> None:
+    """Raise FileNotFoundError, naming the file, when `source` is a converted checkpoint of a model with MTP layers
+    whose MTP_TENSORS_FILE is missing (an export would lose them)."""
+    path = Path(source) / MTP_TENSORS_FILE
+    if arch.mtp_layers and is_converted_checkpoint(source) and not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; the checkpoint's config has {arch.mtp_layers} "
+                                "multi-token-prediction layer(s), whose tensors a conversion keeps there: convert it "
+                                "again from the HF model")
+
+
 def carried_mtp_tensors(source: str | Path, arch: HFArchitecture) -> dict[str, Tensor]:
     """The MTP tensors of `source`, the checkpoint the model's weights came from: an HF directory (its safetensors
     files) or a converted checkpoint (its MTP_TENSORS_FILE); none for a model without MTP layers. Raises
@@ -55,12 +65,8 @@ def carried_mtp_tensors(source: str | Path, arch: HFArchitecture) -> dict[str, T
         return {}
     source = Path(source)
     if is_converted_checkpoint(source):
-        path = source / MTP_TENSORS_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing; the checkpoint's config has {arch.mtp_layers} "
-                                    "multi-token-prediction layer(s), whose tensors a conversion keeps there: convert "
-                                    "it again from the HF model")
-        return load_file(path)
+        require_kept_mtp_tensors(source, arch)
+        return load_file(source / MTP_TENSORS_FILE)
     files = safetensors_files(source)
     wanted = sorted(n for n in files if is_mtp_tensor(n, arch))
     tensors: dict[str, Tensor] = {}
