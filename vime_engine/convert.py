@@ -4,10 +4,12 @@ vime_engine.train.megatron_bridge), which write the same torch_dist layout.
 
 HF → Megatron writes `<dest>/iter_0000000/` (Megatron's distributed checkpoint, torch_dist backend, the model's
 sharded state dict under "model"), `latest_checkpointed_iteration.txt`, and `<dest>/hf_config/` (the source's
-config and tokenizer, so the way back needs nothing else). Megatron → HF writes an ordinary HF directory.
+config and tokenizer, so the way back needs nothing else); for a checkpoint with multi-token-prediction layers, which
+the Megatron model does not hold (train/megatron_mtp.py), their tensors unchanged in `<dest>/mtp_layers.safetensors`.
+Megatron → HF writes an ordinary HF directory, those tensors carried back into it.
 
-Verification reloads what was written into a fresh model and requires (1) every exported HF tensor equal to
-the source's and (2) the per-token log-probs of a fixed batch equal between the HF model and the Megatron
+Verification reloads what was written into a fresh model and requires (1) every exported (or carried) HF tensor
+equal to the source's and (2) the per-token log-probs of a fixed batch equal between the HF model and the Megatron
 model within `LOGPROB_TOLERANCE` (fp32; decided in float64 when a deep model's fp32 rounding alone exceeds
 it). `conversion.json` is written last, with the source's content hash and the mode: a destination holding it for
 the same source is complete and the conversion is skipped (idempotent; in either mode, the layouts being the same).
@@ -25,10 +27,12 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors.torch import save_file
 
 from vime_engine.devices.accelerator import CPU, Accelerator, prepare_accelerator
 from vime_engine.train.megatron_hf import MARKER, copy_non_weight_files
 from vime_engine.train.megatron_layout import MegatronToHFMode
+from vime_engine.train.megatron_mtp import MTP_TENSORS_FILE, carried_mtp_tensors, require_kept_mtp_tensors
 
 Direction = Literal["hf_to_megatron", "megatron_to_hf"]
 LOGPROB_TOLERANCE = 1e-5
@@ -110,11 +114,13 @@ def _hf_to_megatron(mm, source: Path, dest: Path, accelerator: Accelerator,
     mm.save_torch_dist(mm.model_sharded_state_dict(model), dest / mm.TORCH_DIST_ITERATION_DIR)
     (dest / "latest_checkpointed_iteration.txt").write_text("0")
     copy_non_weight_files(source, dest / mm.HF_CONFIG_DIR)
+    if arch.mtp_layers:
+        save_file(carried_mtp_tensors(source, arch), dest / MTP_TENSORS_FILE, metadata={"format": "pt"})
     del model
 
     reloaded = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator, mapping=mapping)
     mm.load_torch_dist(mm.model_sharded_state_dict(reloaded), dest / mm.TORCH_DIST_ITERATION_DIR)
-    return _verify(mm, arch, reloaded, source, mapping)
+    return _verify(mm, arch, reloaded, source, mapping, carried_mtp_tensors(dest, arch))
 
 
 def _megatron_to_hf(mm, source: Path, dest: Path, accelerator: Accelerator,
@@ -126,13 +132,15 @@ def _megatron_to_hf(mm, source: Path, dest: Path, accelerator: Accelerator,
             f"{mm.HF_CONFIG_DIR}/ (write one with direction hf_to_megatron)"
         )
     arch = mm.HFArchitecture.from_pretrained(hf_config_dir, bridge=mode == "bridge")
+    require_kept_mtp_tensors(source, arch)
     mapping = mm.hf_mapping(mode, arch, hf_config_dir)
     model = mm.build_model(arch, mm.ParallelLayout(), torch.float32, accelerator, mapping=mapping)
     mm.load_torch_dist(mm.model_sharded_state_dict(model), source / mm.TORCH_DIST_ITERATION_DIR)
     weights = {name: t.cpu() for name, t in mm.hf_weight_stream(arch, model, with_lm_head=False, mapping=mapping)}
-    mm.save_hf_weights(weights, dest)
+    carried = carried_mtp_tensors(source, arch)
+    mm.save_hf_weights({**weights, **carried}, dest)
     copy_non_weight_files(hf_config_dir, dest)
-    return _verify(mm, arch, model, dest, mapping)
+    return _verify(mm, arch, model, dest, mapping, carried)
 
 
 def hf_files_state(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -145,9 +153,10 @@ def hf_files_state(hf_dir: Path) -> dict[str, torch.Tensor]:
             for name, tensor in load_file(path).items()}
 
 
-def _verify(mm, arch, model, hf_dir: Path, mapping) -> tuple[float, float, float]:
-    """Max |difference| of tensors exported through `mapping` vs HF's and of fixed-batch log-probs (fp32, checked);
-    raises past the tolerances."""
+def _verify(mm, arch, model, hf_dir: Path, mapping, carried: dict[str, torch.Tensor]) -> tuple[float, float, float]:
+    """Max |difference| of tensors exported through `mapping`, and of the multi-token-prediction tensors `carried`
+    beside the model (megatron_mtp), vs HF's, and of fixed-batch log-probs (fp32, checked); raises past the
+    tolerances."""
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -163,6 +172,11 @@ def _verify(mm, arch, model, hf_dir: Path, mapping) -> tuple[float, float, float
         if tensor.shape != hf_state[name].shape:
             raise ConversionError(f"{name}: shape {tuple(tensor.shape)} != HF {tuple(hf_state[name].shape)}")
         tensor_diff = max(tensor_diff, (tensor.float() - hf_state[name].float()).abs().max().item())
+    for name, tensor in carried.items():  # stored, not computed: equal bit for bit
+        exported.add(name)
+        if name not in hf_state or not torch.equal(tensor, hf_state[name]):
+            raise ConversionError(f"carried multi-token-prediction tensor {name} is missing from or differs from the "
+                                  f"HF model at {hf_dir}")
     missing = set(hf_state) - exported
     if missing:
         raise ConversionError(f"tensors missing from the Megatron checkpoint: {sorted(missing)[:5]}")

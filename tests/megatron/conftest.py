@@ -36,3 +36,10 @@ def tiny_deepseek_v3(tmp_path_factory) -> Path:
     from vime_engine.models.builtin import materialize_builtin_model
 
     return materialize_builtin_model("tiny-deepseek-v3", tmp_path_factory.mktemp("models") / "tiny-deepseek-v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_mtp(tmp_path_factory) -> Path:
+    from vime_engine.models.builtin import materialize_builtin_model
+
+    return materialize_builtin_model("tiny-deepseek-v3-mtp", tmp_path_factory.mktemp("models") / "tiny-deepseek-v3-mtp")

@@ -87,16 +87,27 @@ def test_bridge_and_raw_conversions_read_each_others_checkpoints(tiny_qwen3_moe,
     _assert_same_tensors(tiny_qwen3_moe, tmp_path / "bridge-hf")
 
 
-def test_a_family_only_the_bridge_builds_converts_through_it_exactly(tiny_deepseek_v3, tmp_path):
-    """builtin://tiny-deepseek-v3 HF → torch_dist → HF in bridge mode gives back every tensor (the expert bias, a
-    buffer in Megatron, included) bit for bit; raw mode refuses it naming bridge mode."""
+def test_a_family_only_the_bridge_builds_converts_through_it_exactly(tiny_deepseek_v3_mtp, tmp_path):
+    """builtin://tiny-deepseek-v3-mtp HF → torch_dist → HF in bridge mode gives back every tensor (the expert bias,
+    a buffer in Megatron, included) bit for bit: its multi-token-prediction layer, which the Megatron model does not
+    hold, waits beside the torch_dist weights and is carried back unchanged (without that file the way back is refused).
+    Raw mode refuses it naming bridge mode."""
     from vime_engine.train.megatron_hf import UnsupportedHFModel
+    from vime_engine.train.megatron_mtp import MTP_TENSORS_FILE
 
-    to_megatron = convert_checkpoint(tiny_deepseek_v3, tmp_path / "megatron", "hf_to_megatron", mode="bridge")
+    source_dir = tiny_deepseek_v3_mtp
+    to_megatron = convert_checkpoint(source_dir, tmp_path / "megatron", "hf_to_megatron", mode="bridge")
     back = convert_checkpoint(tmp_path / "megatron", tmp_path / "hf", "megatron_to_hf", mode="bridge")
     assert to_megatron.max_tensor_abs_diff == 0.0 and back.max_tensor_abs_diff == 0.0
     assert back.max_logprob_abs_diff <= 1e-5
-    source, written = load_file(tiny_deepseek_v3 / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    source, written = load_file(source_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert set(source) == set(written) and all(torch.equal(source[n], written[n]) for n in source)
+    kept = load_file(tmp_path / "megatron" / MTP_TENSORS_FILE)
+    assert set(kept) == {n for n in source if n.startswith("model.layers.2.")} and len(kept) == 32
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    (tmp_path / "megatron" / MTP_TENSORS_FILE).unlink()  # the way back would lose the MTP layer: refused, named
+    with pytest.raises(FileNotFoundError, match=f"{MTP_TENSORS_FILE}: missing; .* 1 multi-token-prediction layer"):
+        convert_checkpoint(tmp_path / "megatron", tmp_path / "hf-without", "megatron_to_hf", mode="bridge")
+    assert not (tmp_path / "hf-without").exists()
     with pytest.raises(UnsupportedHFModel, match="use --megatron-to-hf-mode bridge"):
-        convert_checkpoint(tiny_deepseek_v3, tmp_path / "raw", "hf_to_megatron")
+        convert_checkpoint(source_dir, tmp_path / "raw", "hf_to_megatron")

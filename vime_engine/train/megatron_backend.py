@@ -36,6 +36,7 @@ from vime_engine.checkpoint.manifest import ChecksumMismatch, FileEntry, verify_
 from vime_engine.devices.accelerator import prepare_accelerator, resolve_accelerator
 from vime_engine.sample import Sample
 from vime_engine.train.megatron_hf import is_converted_checkpoint
+from vime_engine.train.megatron_mtp import carried_mtp_tensors, require_kept_mtp_tensors
 from vime_engine.train.micro_batches import derived_max_tokens, plan_micro_batches
 from vime_engine.train.objective import MicroBatchOutputs, lr_schedule, micro_batch_loss, needs_reference
 from vime_engine.train.rollout_batch import (
@@ -90,6 +91,7 @@ class MegatronTrainBackend:
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=self.layout.grad_reduce_in_fp32, overlap_grad_reduce=False)
         self.initial_weights = initial_weights(cfg)
+        require_kept_mtp_tensors(self.initial_weights, self.arch)  # --save-hf carries them: missing, say so now
         # --megatron-to-hf-mode: how HF weights enter (an HF initial or reference model) and leave (the weight sync,
         # --save-hf) the Megatron model.
         self.hf_mapping = mm.hf_mapping(cfg.train.megatron_to_hf_mode, self.arch, cfg.model.hf_checkpoint)
@@ -348,14 +350,15 @@ class MegatronTrainBackend:
             yield name, tensor.detach()
 
     def save_hf(self, directory: str | Path, tokenizer_from: str | None = None) -> Path:
-        """An HF directory (safetensors + config + tokenizer) of the current weights; collective, rank 0 writes."""
+        """An HF directory (safetensors + config + tokenizer) of the current weights, with the multi-token-prediction
+        layers the policy does not hold carried unchanged from its initial weights; collective, rank 0 writes."""
         from vime_engine.train.megatron_hf import copy_non_weight_files
 
         directory = Path(directory)
         weights = {name: t.cpu() for name, t in self.mm.hf_weight_stream(self.arch, self.model, with_lm_head=False,
                                                                          mapping=self.hf_mapping)}
         if torch.distributed.get_rank() == 0:
-            self.mm.save_hf_weights(weights, directory)
+            self.mm.save_hf_weights({**weights, **carried_mtp_tensors(self.initial_weights, self.arch)}, directory)
             copy_non_weight_files(Path(tokenizer_from or self.cfg.model.hf_checkpoint), directory)
         torch.distributed.barrier()
         return directory

@@ -41,6 +41,7 @@ from vime_engine.train.megatron_hf import (
     transformer_engine_available,
 )
 from vime_engine.train.megatron_layout import ParallelLayout
+from vime_engine.train.megatron_mtp import is_mtp_tensor, say_mtp_skipped
 
 
 class _Placeholder(type):
@@ -125,7 +126,8 @@ class BridgeMapping:
 
     Megatron-Bridge skips, with a warning, a parameter it has no mapping or no HF tensor for, which would leave it at
     its random init (or missing from the export): here every parameter of this rank must be covered, or the model is
-    refused naming the parameters. With the whole model on one rank, every tensor of the HF files must be read too.
+    refused naming the parameters. With the whole model on one rank, every tensor of the HF files must be read too,
+    but for the multi-token-prediction layers' (not built: megatron_mtp), which the export leaves to its caller.
     """
 
     def __init__(self, arch: HFArchitecture, hf_config_dir: str | Path):
@@ -156,6 +158,9 @@ class BridgeMapping:
         provider.perform_initialization = True  # marks the tensor-parallel attributes the mapping and optimizer read
         provider.make_vocab_size_divisible_by = 1  # padded to the tensor-parallel size only, as the engine's own
         provider.moe_enable_routing_replay = routing_replay
+        # The checkpoint's multi-token-prediction layers stay out of the policy (megatron_mtp): the provider would
+        # build them from num_nextn_predict_layers.
+        provider.mtp_num_layers = None
         if layout.moe.expert_bias_update_rate is not None:
             provider.moe_router_bias_update_rate = layout.moe.expert_bias_update_rate
         if not te:
@@ -174,6 +179,8 @@ class BridgeMapping:
         self._check_covered(tasks, chunks, f"{hf_dir}")
         self._check_all_read(tasks, Path(hf_dir))
         self.bridge.load_hf_weights(chunks, hf_path=str(hf_dir))
+        if self.arch.mtp_layers:
+            say_mtp_skipped(str(hf_dir), self.arch.mtp_layers)
 
     def export(self, chunks: list[torch.nn.Module], with_lm_head: bool) -> Iterator[tuple[str, Tensor]]:
         """Every HF tensor of the (unwrapped) model on every rank (collective: every rank must iterate to the end);
@@ -218,6 +225,9 @@ class BridgeMapping:
             if task is not None:
                 hf = task.mapping.hf_param
                 read.update([hf] if isinstance(hf, str) else hf.values())
-        unused = set(safetensors_files(hf_dir)) - read - ({LM_HEAD} if self.arch.tied_embeddings else set())
+        arch = self.arch
+        unused = {name for name in set(safetensors_files(hf_dir)) - read
+                  if not is_mtp_tensor(name, arch)}
+        unused -= {LM_HEAD} if arch.tied_embeddings else set()
         if unused:
             raise UnsupportedHFModel(f"{hf_dir}: tensors Megatron-Bridge's mapping does not use: {sorted(unused)[:5]}")

@@ -136,6 +136,9 @@ class HFArchitecture:
     # True for BRIDGE_FAMILIES: Megatron-Bridge's provider builds the model and moves its weights (megatron_bridge);
     # the fields above are then only what the backend reads (vocabulary, layers, experts), not a model to build.
     built_by_bridge: bool = False
+    # The checkpoint's multi-token-prediction layers (num_nextn_predict_layers), stored after the decoder's: not built
+    # into the model, their tensors carried unchanged into exports (megatron_mtp).
+    mtp_layers: int = 0
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, bridge: bool = False) -> HFArchitecture:
@@ -189,13 +192,10 @@ class HFArchitecture:
     @classmethod
     def _built_by_bridge(cls, config, source: str) -> HFArchitecture:
         """What the backend reads of a BRIDGE_FAMILIES model: its first `first_k_dense_replace` layers are dense, the
-        rest MoE layers of `n_routed_experts` (their shared experts and routing are the provider's business)."""
+        rest MoE layers of `n_routed_experts` (their shared experts and routing are the provider's business); its
+        multi-token-prediction layers are counted, not built (megatron_mtp)."""
         layers, dense = config.num_hidden_layers, config.first_k_dense_replace
         heads = config.num_attention_heads
-        if getattr(config, "num_nextn_predict_layers", 0):
-            raise UnsupportedHFModel(
-                f"{source}: config.num_nextn_predict_layers = {config.num_nextn_predict_layers}: multi-token-prediction "
-                "layers are not wired (the engine's loss would not train them nor its weight sync send them)")
         if not config.norm_topk_prob and config.num_experts_per_tok > 1:
             raise UnsupportedHFModel(f"{source}: config.norm_topk_prob = false: Megatron's sigmoid router always "
                                      "renormalises the top-k scores")
@@ -211,7 +211,7 @@ class HFArchitecture:
             moe=MoEArchitecture(num_experts=config.n_routed_experts, ffn_hidden_size=config.moe_intermediate_size,
                                 topk=config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob),
                                 layer_pattern=(0,) * dense + (1,) * (layers - dense)),
-            built_by_bridge=True,
+            built_by_bridge=True, mtp_layers=getattr(config, "num_nextn_predict_layers", 0) or 0,
         )
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:

@@ -14,7 +14,8 @@ linear layer except the q/k/v projections' where --add-qkv-bias keeps them; --mo
 DeepSeek-V3 and GLM-4.5 (BRIDGE_FAMILIES, built by Megatron-Bridge under --megatron-to-hf-mode bridge) are described
 by their own flags too: multi-latent attention's ranks and head sizes, sigmoid routing with an expert bias, group-limited
 routing (--moe-router-num-groups, --moe-router-group-topk), shared experts, the dense first layers
-(first_k_dense_replace), YaRN's mscale, multi-token prediction. Their routers score by sigmoid, where Megatron reads
+(first_k_dense_replace), YaRN's mscale, multi-token prediction (--mtp-num-layers: 0 or absent leaves the checkpoint's
+MTP layers out of the policy; training them is refused). Their routers score by sigmoid, where Megatron reads
 --moe-router-pre-softmax not at all (it picks softmax's order only), so that flag passes either way for them.
 
 The expert-parallel layout is checked against the model here too (`check_expert_layout`): its experts must split
@@ -227,7 +228,6 @@ RULES: dict[str, Rule] = {
     "mscale": Rule("rope_scaling.mscale (YaRN; 1.0 without it)", lambda m: float(m.rope.get("mscale", 1.0))),
     "mscale-all-dim": Rule("rope_scaling.mscale_all_dim (YaRN; 0 without it)",
                            lambda m: float(m.rope.get("mscale_all_dim", 0.0))),
-    "mtp-num-layers": Rule("num_nextn_predict_layers", lambda m: m.get("num_nextn_predict_layers") or 0),
 }
 # Flags that ask for a router the model does not have, refused when given.
 REFUSED: dict[str, tuple[Callable[[HFView], bool], str]] = {
@@ -249,7 +249,8 @@ CHOICES: dict[str, tuple[str, str]] = {
 # Load-balancing losses that, with --moe-aux-loss-coeff 0 (vime's DeepSeek-V3 and GLM-4.5 scripts), add nothing: named
 # then, they change nothing, so they pass.
 _UNWEIGHTED_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
-MODEL_FLAGS = (*RULES, *CHOICES, *REFUSED, "group-query-attention", "num-query-groups", "moe-layer-freq")
+MODEL_FLAGS = (*RULES, *CHOICES, *REFUSED, "group-query-attention", "num-query-groups", "moe-layer-freq",
+               "mtp-num-layers")
 
 
 def check_model_flags(flags: dict[str, Any], config: dict[str, Any], where: str, aux_loss_coeff: float = 0.0) -> None:
@@ -285,6 +286,22 @@ def check_model_flags(flags: dict[str, Any], config: dict[str, Any], where: str,
                 f"({where}); the model flags describe the model and never change it: fix them or drop them")
     if "moe-layer-freq" in flags:
         _check_moe_layer_freq(flags["moe-layer-freq"], model, where)
+    if flags.get("mtp-num-layers"):
+        _check_mtp_layers(flags["mtp-num-layers"], model, where)
+
+
+def _check_mtp_layers(value: int, model: HFView, where: str) -> None:
+    """--mtp-num-layers N > 0 asks to build and train the checkpoint's multi-token-prediction layers (slime builds them
+    only with it); 0 or no flag leaves them out of the policy, their tensors carried unchanged (megatron_mtp)."""
+    found = model.get("num_nextn_predict_layers") or 0
+    if value != found:
+        raise ModelFlagMismatch(
+            f"--mtp-num-layers {value} disagrees with config.json num_nextn_predict_layers = {found} ({where}); the "
+            "model flags describe the model and never change it: drop the flag")
+    raise ModelFlagMismatch(
+        f"--mtp-num-layers {value}: training the checkpoint's {found} multi-token-prediction layer(s) is not wired "
+        "(the RL loss would not reach them and the weight sync would not send them); drop the flag: the policy is "
+        "then built without them, and --save-hf and vimeflow convert carry their weights unchanged")
 
 
 def _check_moe_layer_freq(value: Any, model: HFView, where: str) -> None:
