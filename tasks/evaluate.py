@@ -5,7 +5,8 @@ The engine evaluates the final weights itself, at the run's last rollout inside 
 those numbers from the chunk's result (and the per-problem rows from the chunk's output directory, when the
 chunk ran on this machine) instead of evaluating a second time. It fetches the checkpoint from the storage root
 into a directory of its own and exports its weights as an HF directory in an engine child process (an
-EvaluateJob: vime_engine.chunk.evaluate_checkpoint with `--num-rollout 0 --load DIR --save-hf`, no eval sets).
+EvaluateJob: vime_engine.chunk.evaluate_checkpoint with `--num-rollout 0 --load DIR --save-hf`, no eval sets; for
+the torch trainer of one rank on CPU, the embedded default, that process writes it without starting Ray or vLLM).
 Both are committed to `{run}/evaluation/rollout_NNNNNNN/`; the result is cached by the checkpoint's manifest
 and the evaluation settings.
 """

@@ -72,11 +72,46 @@ def evaluate_checkpoint(config: EngineConfig) -> dict[str, float]:
     `--save-hf` when given; the eval sets' metrics.
 
     The driver's run without rollouts: it loads, pushes the weights to the rollout engine, evaluates, exports.
-    A config that would train is refused, so an evaluation never moves a checkpoint on.
+    A config that would train is refused, so an evaluation never moves a checkpoint on. An export alone of a torch
+    trainer of one rank on CPU needs neither Ray nor an engine (`export_in_process`).
     """
     if config.rollout.num_rollout != 0:
         raise ConfigError(f"evaluate_checkpoint trains nothing: --num-rollout must be 0, not "
                           f"{config.rollout.num_rollout}")
+    if exports_in_process(config):
+        export_in_process(config)
+        return {}
     from vime_engine.runtime.driver import train
 
     return train(config).eval_metrics
+
+
+def exports_in_process(config: EngineConfig) -> bool:
+    """Whether `config` asks for an HF export and nothing else that needs the run's workers: no eval sets, the torch
+    backend's one rank on this machine's CPU (the pipeline's evaluate stage on the embedded default)."""
+    from vime_engine.devices.accelerator import resolve_accelerator
+
+    return (config.checkpoint.save_hf is not None and not config.eval_datasets
+            and config.train.train_backend in ("torch", "fsdp") and config.trainer_world_size == 1
+            and config.placement.ray_address is None and resolve_accelerator(config.placement.device).kind == "cpu")
+
+
+def export_in_process(config: EngineConfig) -> None:
+    """The torch trainer's `save_hf` of the weights of the newest checkpoint under `--load` (the initial weights
+    without one), built in this process: the files the driver's run writes, without the 20-30 s of starting Ray, the
+    trainer's actor and a vLLM engine that an export never uses, nor reading the optimizer's state. The weights'
+    checksum is checked as they load, as a resume checks it."""
+    from vime_engine.checkpoint.finite import NonFiniteCheckpoint
+    from vime_engine.checkpoint.manifest import ChecksumMismatch
+    from vime_engine.preflight import check_inputs
+    from vime_engine.train.torch_backend import TorchTrainBackend
+
+    check_inputs(config)
+    backend = TorchTrainBackend(config, "cpu")
+    found = ckpt.find_latest(config.checkpoint.load, content=False)
+    if found is not None:
+        try:
+            backend.load_weights(found.path, found.manifest.files)
+        except (ChecksumMismatch, NonFiniteCheckpoint) as exc:
+            raise ckpt.CheckpointError(f"{found.path}: {exc}") from None
+    backend.save_hf(config.checkpoint.save_hf)

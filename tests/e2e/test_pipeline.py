@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from tasks.publish import embed_plots
 from tests.e2e.conftest import DeployedRun, tiny_parameters
 from tests.support.prefect_server import PrefectAPI, task_runs_of
@@ -82,6 +84,15 @@ def test_every_stage_ran_and_the_published_report_is_consistent(prefect_api: Pre
     assert sorted(f.name for f in logs.glob("*.log")) == ["chunk-0000000.log", "chunk-0000002.log",
                                                          "export-rollout_0000003.log"]
     assert "Initializing a V1 LLM engine" in (logs / "chunk-0000002.log").read_text()
+    # The export alone needs no engine: the job writes it in its own process, from the last checkpoint's weights.
+    export_log = (logs / "export-rollout_0000003.log").read_text()
+    assert "Initializing a V1 LLM engine" not in export_log and "Started a local Ray instance" not in export_log
+    from safetensors.torch import load_file
+
+    last = deployed_run.storage_root / lineage["chunks"][-1]["checkpoint"].removeprefix(
+        deployed_run.storage_root.as_uri() + "/")
+    trained, exported = load_file(last / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
+    assert exported.keys() <= trained.keys() and all(torch.equal(exported[k], trained[k]) for k in exported)
 
 
 def test_parameters_round_trip(prefect_api: PrefectAPI, deployed_run: DeployedRun):

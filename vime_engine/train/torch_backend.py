@@ -376,18 +376,27 @@ class TorchTrainBackend:
         tensors = read_tensors(directory / TRAINER_TENSORS_FILE, expected[TRAINER_TENSORS_FILE])
         rest = torch.load(io.BytesIO(read_verified(directory / TRAINER_STATE_FILE, expected[TRAINER_STATE_FILE])),
                           weights_only=False)
-        missing, unexpected = self.model.load_state_dict(self._sharded_like(self.model, weights), strict=False)
-        if unexpected or set(missing) - _tied_names(self.model):
-            # Not a corrupt file (those fail their sha256 above): a checkpoint of another model. Stop, do not
-            # fall back to an older checkpoint of that same other model.
-            raise RuntimeError(f"{directory / MODEL_FILE}: does not hold this model's weights "
-                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        self._take_weights(directory, weights)
         state = join_tensors(rest["skeleton"], tensors)
         self.optimizer.load_state_dict(sharded_optimizer_state(state["optimizer"], self._optimized()))
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None:
             self.critic.load_state_dict(self._sharded_like(self.critic, state["critic"]))
         restore_rng_state(rest["rng"])
+
+    def load_weights(self, directory: str | Path, expected: Mapping[str, FileEntry]) -> None:
+        """The policy's weights alone of what `save_state` wrote (checked as they are read), for an export: the
+        optimizer's moments, twice the weights' size, stay on disk."""
+        directory = Path(directory)
+        self._take_weights(directory, read_tensors(directory / MODEL_FILE, expected[MODEL_FILE]))
+
+    def _take_weights(self, directory: Path, weights: dict[str, Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(self._sharded_like(self.model, weights), strict=False)
+        if unexpected or set(missing) - _tied_names(self.model):
+            # Not a corrupt file (those fail their sha256 above): a checkpoint of another model. Stop, do not
+            # fall back to an older checkpoint of that same other model.
+            raise RuntimeError(f"{directory / MODEL_FILE}: does not hold this model's weights "
+                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
 
     # -- layouts ------------------------------------------------------------------------------------------------
     def _optimized(self) -> list[nn.Parameter]:
