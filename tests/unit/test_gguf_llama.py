@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from vime_engine.models.builtin import _smollm2_gguf
-from vime_engine.models.gguf_llama import convert_llama_gguf
+from vime_engine.models.gguf_llama import convert_llama_gguf, convert_with_transformers
 
 VOCAB = 600
 SHAPE = dict(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2)
@@ -91,35 +91,13 @@ def _write_small_llama_gguf(path: Path) -> None:
     w.close()
 
 
-def _transformers_conversion(gguf: Path, dest: Path) -> None:
-    """transformers' GGUF loading, saved as builtin.py saved it before the one-pass converter."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.architectures = [type(model).__name__]
-    config.torch_dtype = "float32"
-    dest.mkdir(parents=True)
-    config.save_pretrained(dest)
-    model.generation_config.save_pretrained(dest)
-    state = model.state_dict()
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(dest)
-
-
 @pytest.fixture(scope="module")
 def converted_both_ways(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("gguf")
     gguf = root / "src" / "small-llama.Q4_1.gguf"
     gguf.parent.mkdir()
     _write_small_llama_gguf(gguf)
-    _transformers_conversion(gguf, root / "transformers")
+    convert_with_transformers(gguf, root / "transformers")
     convert_llama_gguf(gguf, root / "ours")
     return root / "transformers", root / "ours"
 

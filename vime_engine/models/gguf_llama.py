@@ -11,8 +11,10 @@ vocabulary) and rebuilds gguf-py's tensor-name table once per submodule (397 tim
   transformers' LlamaTensorProcessor, renamed through gguf-py's name table for the model's parameters;
 - tokenizer: transformers' GGUF tokenizer conversion, in the class its AutoTokenizer picks for such a file.
 
-Invariant (tests/unit/test_gguf_llama.py): the directory equals the one transformers' GGUF loading writes, byte
-for byte (config, generation config, safetensors, tokenizer files).
+Invariant (tests/unit/test_gguf_llama.py): the directory equals the one transformers' GGUF loading writes
+(`convert_with_transformers`), byte for byte (config, generation config, safetensors, tokenizer files). A
+transformers without that fast reader (`transformers.integrations.gguf`, absent from 5.12, the Megatron lane's)
+converts with `convert_with_transformers` itself.
 """
 
 from __future__ import annotations
@@ -117,4 +119,34 @@ def convert_llama_gguf(gguf_path: Path, dest: Path) -> Path:
     # The class AutoTokenizer resolves for a GGUF without a tokenizer class of its own; its constructor converts
     # the file's vocabulary, merges and special tokens (transformers' GGUF tokenizer conversion).
     TokenizersBackend.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(dest)
+    return dest
+
+
+def has_fast_gguf_reader() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers.integrations.gguf") is not None
+
+
+def convert_with_transformers(gguf_path: Path, dest: Path) -> Path:
+    """What `convert_llama_gguf` writes, through transformers' own GGUF loading (`from_pretrained(..., gguf_file=)`,
+    about 3x slower): the oracle of its test, and the way for a transformers without the fast GGUF reader."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config = model.config
+    if hasattr(config, "quantization_config"):  # a GGUF-derived config carries its quantisation
+        del config.quantization_config
+    config.architectures = [type(model).__name__]  # and lacks `architectures`, which vLLM needs
+    config.torch_dtype = "float32"
+    dest.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(dest)
+    model.generation_config.save_pretrained(dest)
+    state = model.state_dict()
+    if config.tie_word_embeddings:  # as save_pretrained does: the embedding is stored, the tied head is not
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(dest)
     return dest
