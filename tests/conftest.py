@@ -31,7 +31,7 @@ def aime_data(assets_dir) -> Path:
     return materialize_builtin_dataset("aime-synthetic", assets_dir / "datasets")
 
 
-# `VIMEFLOW_TEST_WORKERS=N scripts/test` runs the suite on N pytest-xdist workers (CI runs it on one: see the
+# `VIMEFLOW_TEST_WORKERS=N scripts/test` runs the suite on N pytest-xdist workers (2 by default, as CI runs it: see the
 # README). Tests that share a module- or session-scoped run must land on one worker, or each worker makes that run
 # again: a module's tests go together, and so do the end-to-end modules (one Prefect server, its deployments and
 # one pipeline run) and the multi-node modules (one multi-node cluster, tests/support/multinode.py). The heaviest
