@@ -4,9 +4,6 @@ checks, the trainers and compute_advantages read its spec. The math fields' mark
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -49,12 +46,6 @@ def test_an_unknown_estimator_is_refused_naming_the_known_ones() -> None:
 def test_std_normalisation_needs_a_group_baseline() -> None:
     with pytest.raises(ValueError, match="needs group_baseline"):
         EstimatorSpec(_ones, std_normalized=True)
-
-
-def test_the_config_reads_the_table_without_loading_torch() -> None:
-    # The CLI refuses a bad flag before any worker starts; torch would add seconds to that (flows/cli.py).
-    code = "import sys, vime_engine.config; assert 'torch' not in sys.modules, 'torch was imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_non_math_fields_are_marked_where_declared() -> None:

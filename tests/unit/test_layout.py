@@ -1,11 +1,14 @@
 """The rooms of the code import one way (README.md's layout table): flows → tasks → vime_engine, and inside the
 engine from the entry points and the runtime down to the math. Read from the source's import statements, lazy
 ones inside functions included, so a late import cannot hide an arrow; imports under `if TYPE_CHECKING:` only
-name types for annotations and never run, so they are left out."""
+name types for annotations and never run, so they are left out. And the driver's side stays light: what the workers
+compute with is imported where they run."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,3 +115,16 @@ def test_no_import_cycle():
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+# Imported only where the workers compute (trainer ranks, engines, reward grading). The driver would import them
+# before Ray starts, on every run's critical path (torch ~1 s, math-verify with sympy ~0.3 s; bench/startup.py), and
+# the CLI would pay them before refusing a bad flag.
+HEAVY_FOR_THE_DRIVER = ("torch", "vllm", "transformers", "math_verify", "sympy")
+
+
+def test_the_driver_imports_nothing_the_workers_compute_with():
+    code = ("import sys, flows.cli, vime_engine.runtime.driver, vime_engine.preflight; "
+            f"print(' '.join(m for m in {HEAVY_FOR_THE_DRIVER!r} if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    assert loaded.stdout.split() == []

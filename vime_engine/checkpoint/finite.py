@@ -13,11 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vime_engine.config.errors import RunStoppedError
+
+if TYPE_CHECKING:  # torch is imported where tensors are checked: the driver only checks metrics, and its start-up
+    import torch   # would pay a second for it (bench/startup.py)
 
 FIX = "lower --lr, keep --clip-grad on, or check the rewards and advantages the run trained on"
 # What the trainers report of a step that a NaN or inf anywhere in the loss or its gradients turns non-finite.
@@ -51,6 +52,8 @@ def stop_if_diverged(rollout_id: int, metrics: Mapping[str, float]) -> None:
 def nonfinite_tensors(tensors: Mapping[str, Any], name: str = "") -> list[str]:
     """The floating-point tensors holding a NaN or an infinity, in order (integer tensors are always finite), by
     name; nested dicts, lists and tuples (a loaded torch_dist state) are searched too, their names dotted."""
+    import torch
+
     bad = []
     for key, value in (tensors.items() if isinstance(tensors, Mapping) else enumerate(tensors)):
         path = f"{name}.{key}" if name else str(key)
@@ -66,6 +69,8 @@ def _finite(t: torch.Tensor) -> bool:
     """Whether every value of `t` is finite. A NaN or inf anywhere makes the sum non-finite, and a sum reads the
     tensor once (about 5x faster than isfinite().all() here); a sum of finite values that overflows is checked
     value by value."""
+    import torch
+
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 

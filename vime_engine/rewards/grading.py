@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from typing import TYPE_CHECKING
 
-import math_verify
-import sympy
+if TYPE_CHECKING:  # both are imported where an answer is graded: the driver imports the rewards only to check
+    import sympy   # the labels, and its start-up would wait 0.3 s for them (bench/startup.py)
 
 # math-verify logs every unparsable answer at WARNING; during RL most responses are unparsable.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -43,6 +44,8 @@ def answers_match(answer: str, gold: str) -> bool:
     gold_value = _sympy_value(gold)
     answer_value = _sympy_value(answer)
     if gold_value is not None and answer_value is not None:
+        import sympy
+
         return bool(sympy.simplify(gold_value - answer_value) == 0)
     return normalise_latex(answer) == normalise_latex(gold)
 
@@ -54,6 +57,8 @@ def _in_main_thread() -> bool:
 def _math_verify_parse(text: str) -> list:
     # Wrapping in \boxed{} makes math-verify read bare LaTeX such as `\frac{1}{2}`, which it
     # would otherwise only look for between math delimiters.
+    import math_verify
+
     timeout = _TIMEOUT_SECONDS if _in_main_thread() else None
     try:
         return math_verify.parse("\\boxed{" + text + "}", parsing_timeout=timeout)
@@ -67,6 +72,8 @@ def _has_expression(parsed: list) -> bool:
 
 
 def _math_verify_equal(gold_parsed: list, answer_parsed: list) -> bool:
+    import math_verify
+
     timeout = _TIMEOUT_SECONDS if _in_main_thread() else None
     try:
         return bool(math_verify.verify(gold_parsed, answer_parsed, timeout_seconds=timeout))
@@ -105,6 +112,8 @@ def _to_python_arithmetic(latex: str) -> str:
 
 def _sympy_value(text: str) -> sympy.Expr | None:
     """The exact sympy value of a plain numeric expression, or None if `text` is not one."""
+    import sympy
+
     expr = _to_python_arithmetic(text)
     if not expr or len(expr) > _MAX_FALLBACK_LENGTH or "**" in expr:
         return None

@@ -12,13 +12,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from vime_engine.sample import SampleStatus
 from vime_engine.weight_sync.vllm_reload import reload_weights
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the driver imports this module for its request types and must not wait for torch
     import numpy as np
+    import torch
 
 
 @dataclass(frozen=True)
@@ -95,6 +94,8 @@ def compile_off_in_this_process() -> None:
     (bench/startup.py). The count is an integer, the same eager, and nothing else in the process compiles (the
     torch backends and the engine's model run eagerly), so samples and log-probs stay bit-identical.
     """
+    import torch
+
     torch._dynamo.config.disable = True
 
 

@@ -13,8 +13,7 @@ import copy
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from vime_engine.config import EngineConfig
 from vime_engine.data.chat import render_prompt
@@ -29,6 +28,9 @@ from vime_engine.rollout.vllm_engine import (
     Completion, DeviceTuning, EngineSettings, Request, SamplingSettings, VLLMEngine,
 )
 from vime_engine.sample import Sample, SampleStatus
+
+if TYPE_CHECKING:  # annotations only: the driver imports this module for its generation plans
+    import torch
 
 
 @dataclass(frozen=True)

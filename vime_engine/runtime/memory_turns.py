@@ -18,8 +18,6 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-import torch
-
 from vime_engine.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -66,10 +64,14 @@ class HostOffload:
     and back before the trainer works (for the torch backends; Megatron keeps its buffers resident)."""
 
     def __init__(self, model, optimizer, device: str, margin_bytes: int = 0):
+        import torch  # here, not at the top: the driver imports this module for its checks
+
         self.model, self.optimizer, self.device, self.margin_bytes = model, optimizer, device, margin_bytes
         self.device_module = None if device == "cpu" else getattr(torch, device.split(":")[0])  # torch.cuda / npu
 
     def _move(self, device: str) -> None:
+        import torch
+
         for param in self.model.parameters():
             param.data = param.data.to(device, non_blocking=True)
             param.grad = None  # the next step computes them again

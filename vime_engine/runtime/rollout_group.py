@@ -40,7 +40,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import ray
 from ray.actor import ActorHandle
@@ -57,8 +57,10 @@ from vime_engine.runtime.placement import (
 )
 from vime_engine.sample import Sample
 from vime_engine.weight_sync.buckets import TensorSpec
-from vime_engine.weight_sync.endpoints import BroadcastReceiver, load_into_engine
-from vime_engine.weight_sync.group import GroupAddress
+
+if TYPE_CHECKING:  # the engines' side of the weight sync, imported where it runs (torch stays out of the driver)
+    from vime_engine.weight_sync.endpoints import BroadcastReceiver
+    from vime_engine.weight_sync.group import GroupAddress
 
 log = logging.getLogger(__name__)
 HEALTH = "health"  # the concurrency group `health` runs in, so it answers while a generation runs
@@ -100,9 +102,13 @@ class RolloutActor(RolloutWorker):
     def open_weight_receiver(
         self, address: GroupAddress, specs: list[TensorSpec], bucket_bytes: int, device: str, rank: int,
     ) -> None:
+        from vime_engine.weight_sync.endpoints import BroadcastReceiver
+
         self.receiver = BroadcastReceiver(address, specs, bucket_bytes, device, rank)
 
     def receive_weights(self, version: int) -> float:
+        from vime_engine.weight_sync.endpoints import load_into_engine
+
         return load_into_engine(self.engine, self.receiver.stream(version), version)
 
     def loaded_weight_version(self) -> int:

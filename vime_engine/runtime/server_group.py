@@ -32,10 +32,10 @@ import subprocess
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import ray
-import torch
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -50,6 +50,9 @@ from vime_engine.rollout.worker import RolloutWorker, engine_settings
 from vime_engine.runtime.placement import actor_resources
 from vime_engine.runtime.rollout_group import HEALTH, GenerateCall, RolloutGroup, reserve_engine_bundles
 from vime_engine.sample import Sample
+
+if TYPE_CHECKING:  # the servers' actors hold the tensors, not the driver
+    import torch
 
 log = logging.getLogger(__name__)
 # Where a server's new weights are written for its workers to read: memory, not disk, where Linux has it.

@@ -17,10 +17,9 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -32,8 +31,12 @@ from vime_engine.runtime.placement import actor_resources, bundle_node_ids, bund
 from vime_engine.sample import Sample
 from vime_engine.train.backend import TrainBackend, build_train_backend
 from vime_engine.weight_sync.buckets import TensorSpec, specs_of
-from vime_engine.weight_sync.endpoints import BroadcastSender
-from vime_engine.weight_sync.group import GroupAddress
+
+if TYPE_CHECKING:  # torch is the ranks' (and the weight sync's), not the driver's: bench/startup.py
+    import torch
+
+    from vime_engine.weight_sync.endpoints import BroadcastSender
+    from vime_engine.weight_sync.group import GroupAddress
 
 DIST_TIMEOUT = timedelta(minutes=30)  # a collective may wait behind a whole rollout on another rank
 
@@ -53,6 +56,8 @@ class RankAddress:
 
 def join_process_group(address: RankAddress, dist_backend: str) -> None:
     """Make this process rank `address.rank` of the trainer world (a world of one needs no group)."""
+    import torch.distributed
+
     os.environ.update(address.env())
     if address.world_size > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
@@ -97,6 +102,8 @@ class TrainerRank:
         return specs_of(self.backend.named_weights())
 
     def open_weight_sender(self, dist_backend: str, bucket_bytes: int, receivers: int) -> GroupAddress:
+        from vime_engine.weight_sync.endpoints import BroadcastSender
+
         self.sender = BroadcastSender(dist_backend, self.device, bucket_bytes, receivers)
         return self.sender.address
 

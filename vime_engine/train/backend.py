@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Protocol, runtime_checkable
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from vime_engine.config import EngineConfig
 from vime_engine.checkpoint.manifest import FileEntry
 from vime_engine.sample import Sample
+
+if TYPE_CHECKING:  # the driver imports the Protocol; the backends import torch
+    from torch import Tensor
 
 
 @runtime_checkable

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the driver plans from specs and never holds a tensor
+    import torch
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
 
 def flatten(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """One contiguous tensor holding the bucket's tensors back to back, in plan order."""
+    import torch
+
     return torch.cat([tensors[s.name].detach().reshape(-1).to(device=device, dtype=bucket.dtype)
                       for s in bucket.specs])
 

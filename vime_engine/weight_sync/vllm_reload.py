@@ -15,8 +15,10 @@ sync (tests/component/test_moe_train.py) fails then, and this repack goes.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the driver imports this module through rollout/vllm_engine.py
+    import torch
 
 
 def reload_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
