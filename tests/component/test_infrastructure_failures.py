@@ -23,7 +23,6 @@ from tasks.engine_job.process import (
     EngineCodeFailure, EngineConfigFailure, InfrastructureFailure, failure_for_exit, run_engine_job,
 )
 from vime_engine.config import ConfigError
-from vime_engine.runtime.cluster import UNUSED_DAEMONS
 from vime_engine.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,13 +118,17 @@ def _engine_tree() -> list[psutil.Process]:
     return []
 
 
+# Ray's head processes that a private cluster does not start (runtime/cluster.py): the autoscaler's monitor and the
+# API server.
+UNUSED_DAEMONS = ("ray/autoscaler/_private/monitor.py", "ray/dashboard/dashboard.py")
+
+
 def _unused_daemons_running(procs: list[psutil.Process]) -> list[str]:
-    """The command lines of Ray's head processes that the private cluster ends once started (UNUSED_DAEMONS) and
-    that still run (ended, they stay zombies until Ray reaps them at its shutdown)."""
+    """The command lines of the UNUSED_DAEMONS among `procs`."""
     running = []
     for proc in procs:
         try:
-            if proc.status() != psutil.STATUS_ZOMBIE and any(arg.endswith(UNUSED_DAEMONS) for arg in proc.cmdline()):
+            if any(arg.endswith(UNUSED_DAEMONS) for arg in proc.cmdline()):
                 running.append(" ".join(proc.cmdline()))
         except psutil.Error:  # ended meanwhile
             pass

@@ -135,41 +135,48 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None) -> Iter
 def _start_private_cluster(temp_dir: str, num_cpus: int | None) -> None:
     import ray
 
-    ray.init(
-        address="local", _temp_dir=temp_dir, include_dashboard=False, log_to_driver=True,
-        num_cpus=num_cpus or max(4, os.cpu_count() or 1),
-        _system_config={
-            # No task table: the GCS keeps every task's events (up to 100k, ~500 B each) for the dashboard and
-            # `ray list tasks`, which a private cluster has no use for; a long run's GCS grew with it
-            # (bench/soak.py).
-            "task_events_report_interval_ms": 0,
-            # No idle workers started with the driver: our actors carry a runtime env, so none of them would
-            # be used. On 2 cores under load ray.init took 15.4 s with them and 11.2 s without (means of 5
-            # alternated runs); a whole tiny `vimeflow train` on a quiet machine did not change (27.9 vs 27.1 s).
-            "prestart_worker_first_driver": False,
-        },
-    )
-    stop_unused_daemons(temp_dir)
+    with _head_without_unused_daemons():
+        ray.init(
+            address="local", _temp_dir=temp_dir, include_dashboard=False, log_to_driver=True,
+            num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+            _system_config={
+                # No task table: the GCS keeps every task's events (up to 100k, ~500 B each) for the dashboard and
+                # `ray list tasks`, which a private cluster has no use for; a long run's GCS grew with it
+                # (bench/soak.py).
+                "task_events_report_interval_ms": 0,
+                # No idle workers started with the driver: our actors carry a runtime env, so none of them would
+                # be used. On 2 cores under load ray.init took 15.4 s with them and 11.2 s without (means of 5
+                # alternated runs); a whole tiny `vimeflow train` on a quiet machine did not change (27.9 vs 27.1 s).
+                "prestart_worker_first_driver": False,
+            },
+        )
     node_ip = ray.util.get_node_ip_address()
     if not ipaddress.ip_address(node_ip).is_loopback:
         log.warning("the local Ray cluster listens on %s, not only on 127.0.0.1: Ray was imported before "
                     "keep_local_ray_on_loopback(None) was called", node_ip)
 
 
-# Ray's head processes that a private cluster of a fixed size has no use for: the autoscaler's monitor (nothing to
-# scale) and the API server that `ray.init(include_dashboard=False)` still starts (it serves the dashboard's and the
-# job and state APIs, none of which a run calls). Ray waits for both at start, then they only compete with the actors
-# for the cores (~2 CPU-s of imports on 2 cores while the actor starts); at `ray.shutdown` the monitor ignores
-# SIGTERM for its full second before Ray kills it.
-UNUSED_DAEMONS = ("ray/autoscaler/_private/monitor.py", "ray/dashboard/dashboard.py")
+@contextlib.contextmanager
+def _head_without_unused_daemons() -> Iterator[None]:
+    """While a private cluster's head starts, Ray does not start the two head processes a private cluster of a fixed
+    size has no use for: the autoscaler's monitor (nothing to scale) and the API server that
+    `ray.init(include_dashboard=False)` still starts (it serves the dashboard's, the job and the state APIs, none of
+    which a run calls).
 
+    Ray offers no switch for either, so the head's two starters (ray._private.node.Node, Ray pinned in
+    pyproject.toml) do nothing for the duration. Started and then ended, as they were before, they cost every run
+    the wait for the API server to answer and their imports on the cores the actors start on: ray.init took 1.7 s
+    instead of 2.2-3.2 s on 2 cores, and the driver no longer imports the dashboard's dependencies either.
+    """
+    from ray._private.node import Node
 
-def stop_unused_daemons(temp_dir: str) -> None:
-    """SIGKILL the private cluster's UNUSED_DAEMONS (Ray reaps them at shutdown, finding them ended)."""
-    for process in cluster_processes(temp_dir):
-        with contextlib.suppress(psutil.Error):
-            if any(arg.endswith(UNUSED_DAEMONS) for arg in process.cmdline()):
-                process.kill()
+    started = Node.start_monitor, Node.start_api_server
+    Node.start_monitor = lambda self: None
+    Node.start_api_server = lambda self, **_: None
+    try:
+        yield
+    finally:
+        Node.start_monitor, Node.start_api_server = started
 
 
 @contextlib.contextmanager
