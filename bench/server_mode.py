@@ -42,7 +42,8 @@ def start_server(model: str):
 
     port = free_port("127.0.0.1")
     return ServerProcess("vllm-server", server_argv(settings(model), "cpu", "127.0.0.1", port),
-                         f"http://127.0.0.1:{port}", "/health", env={**CPU.actor_env, "VLLM_SERVER_DEV_MODE": "1"})
+                         f"http://127.0.0.1:{port}", "/health", log_dir=None,
+                         env={**CPU.actor_env, "VLLM_SERVER_DEV_MODE": "1"})
 
 
 def startup_pair(model: str) -> tuple[float, float]:
@@ -89,7 +90,7 @@ def main() -> None:
     print(f"start-up medians: in-process {in_process:.1f} s, server {served:.1f} s ({served / in_process:.2f}x)")
 
     server = start_server(model)
-    router = Router.start_or_join(RouterOptions(), "127.0.0.1")
+    router = Router.start_or_join(RouterOptions(), "127.0.0.1", log_dir=None)
     try:
         router.add(server.url)
         with httpx.Client(timeout=60) as http:

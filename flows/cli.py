@@ -188,7 +188,7 @@ def train(
     from vime_engine.runtime.driver import train as run_training
     from vime_engine.runtime.preemption import Preempted
 
-    log_file = None if verbose else Path(cfg.logging.output_dir) / "logs" / "engine.log"
+    log_file = None if verbose else cfg.logging.log_dir / "engine.log"
     made = next((d for d in reversed(log_file.parents) if not d.exists()), None) if log_file else None
     if log_file is not None:
         console.print(f"engine and worker logs: {log_file}", soft_wrap=True, highlight=False)

@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -236,6 +237,10 @@ def test_server_engines_behind_the_router_train_the_weights_of_in_process_engine
     assert len(killer.group) >= 2  # the server and vLLM's engine core
     assert not [p for p in killer.group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert [row.get("rollout/engine_restarts", 0) for row in served] == [0, 1, 0]
+    # every server's log among the run's: the killed one's kept beside its replacement's (`NAME.2.log`), the resumed
+    # process's beside the first's
+    starts = Counter(p.name.split(".")[0] for p in (inputs[2] / EXPORTED[1] / "logs").glob("vllm-*.log"))
+    assert starts.pop("vllm-router") == 2 and sorted(starts.values()) == [2, 3], starts
     print(f"\nserver SIGKILLed → removed from the router: {killer.removed_at - killer.killed_at:.1f} s; → a new "
           f"server joined: {killer.joined_at - killer.killed_at:.1f} s; rollout {SERVER_KILLED_IN_ROLLOUT} took "
           f"{served[SERVER_KILLED_IN_ROLLOUT]['perf/rollout_time']:.1f} s")

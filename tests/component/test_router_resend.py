@@ -23,7 +23,7 @@ ANSWER = {"choices": [{"token_ids": [7, 8], "logprobs": {"content": [{"logprob":
 
 @pytest.fixture(scope="module")
 def router():
-    router = Router.start_or_join(RouterOptions(), "127.0.0.1")
+    router = Router.start_or_join(RouterOptions(), "127.0.0.1", log_dir=None)
     yield router
     router.stop()
 
@@ -59,10 +59,12 @@ def test_without_fault_tolerance_a_request_that_finds_no_server_fails_at_once(ro
         engine.close()
 
 
-def test_a_second_router_starts_on_the_same_machine(router):
+def test_a_second_router_starts_on_the_same_machine_and_leaves_no_log_behind(router):
     # vllm-router's metrics port is one fixed number by default; each router the runs start gets its own.
-    second = Router.start_or_join(RouterOptions(), "127.0.0.1")
+    second = Router.start_or_join(RouterOptions(), "127.0.0.1", log_dir=None)
     try:
         assert second.port != router.port and second.workers() == []
     finally:
         second.stop()
+    # started outside a run, it logged to a temporary file, which a clean stop removes
+    assert second.process.log_path.name.startswith("vimeflow-vllm-router-") and not second.process.log_path.exists()

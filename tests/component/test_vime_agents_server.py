@@ -61,6 +61,10 @@ def test_vime_style_and_openai_sdk_agents_train_behind_the_router(tiny_model, tm
     })
     result = train(cfg)
     assert result.rollouts_done == [0, 1]
+    # the server's and the router's output among the run's logs (not in /tmp), each to a file of its own
+    logs = tmp_path / "out" / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["vllm-router.log", "vllm-server-0.log"]
+    assert "Application startup complete" in (logs / "vllm-server-0.log").read_text()
     for row in result.history:
         assert row["train/train_rollout_logprob_abs_diff"] <= 1e-5, row  # the passages take no part in the loss
         # a rollout's groups: one searched (two model turns), one in the sandbox agent (one turn: the tiny model

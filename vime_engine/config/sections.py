@@ -7,6 +7,7 @@ them.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -385,6 +386,11 @@ class LoggingConfig(_Section):
     custom_rollout_log_function_path: str | None = Field(
         None, description="`(rollout_id, args, samples, extra_metrics, rollout_time) -> bool`: True skips ours"
     )
+
+    @property
+    def log_dir(self) -> Path:
+        """The run's logs: `vimeflow train`'s engine.log, each `vllm serve` engine's and the router's."""
+        return Path(self.output_dir) / "logs"
 
 
 SECTIONS: dict[str, type[_Section]] = {

@@ -90,17 +90,19 @@ def _unshared(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, to
 
 
 class ServerActor:
-    """One rollout engine as a vLLM API server on this actor's devices."""
+    """Rollout engine `index` as a vLLM API server on this actor's devices, logging to `log_dir`/vllm-server-<index>.log
+    (or .2.log, … after a restart: `new_log`)."""
 
-    def __init__(self, cfg: EngineConfig, device_kind: str, kv_cache_bytes: int | None, multi_node: bool,
-                 server_env: dict[str, str]):
+    def __init__(self, cfg: EngineConfig, index: int, device_kind: str, kv_cache_bytes: int | None, multi_node: bool,
+                 server_env: dict[str, str], log_dir: Path):
         host = listen_host(multi_node)
         port = free_port(host)
         argv = server_argv(engine_settings(cfg, kv_cache_bytes), device_kind, host, port)
         env = {**server_env, "VLLM_SERVER_DEV_MODE": "1"}
         if device_kind == "cpu":  # the in-process engine's share of the cores (Ray gives a 1-CPU actor 1 thread)
             env["OMP_NUM_THREADS"] = str(cpu_share(cfg.rollout_engines, cfg.placement.async_rollout))
-        self.server = ServerProcess("vllm-server", argv, f"http://{host}:{port}", "/health", env=env)
+        self.server = ServerProcess(f"vllm-server-{index}", argv, f"http://{host}:{port}", "/health", log_dir,
+                                    env=env)
         self._http = httpx.Client(base_url=self.server.url, timeout=SYNC_TIMEOUT_S)
         self._health_timeout = cfg.rollout.rollout_health_check_timeout
         self._set_version(0)  # the weights it loaded from --hf-checkpoint (vLLM names them "default")
@@ -202,9 +204,10 @@ class ServerRolloutGroup(RolloutGroup):
                multi_node: bool) -> ServerRolloutGroup:
         placement = reserve_engine_bundles(cfg, accel)
         p = cfg.placement
+        log_dir = cfg.logging.log_dir.resolve()  # absolute: an actor's working directory need not be the driver's
         router = Router.start_or_join(
             RouterOptions(p.vllm_router_ip, p.vllm_router_port, p.router_policy, p.vllm_router_request_timeout_secs),
-            listen_host(multi_node))
+            listen_host(multi_node), log_dir)
         # The device's environment, as an in-process engine's actor gets it. vLLM's API server runs its engine core
         # as a process of its own all the same (VLLM::EngineCore, on CPU too); the server's guard ends it with the
         # server.
@@ -215,7 +218,7 @@ class ServerRolloutGroup(RolloutGroup):
             return remote.options(
                 **actor_resources(accel, cfg.rollout.rollout_num_gpus_per_engine),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement, i),
-            ).remote(cfg, accel.kind, kv_cache_bytes, multi_node, env)
+            ).remote(cfg, i, accel.kind, kv_cache_bytes, multi_node, env, log_dir)
 
         servers, urls = [], []
         try:

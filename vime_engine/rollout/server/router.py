@@ -50,8 +50,9 @@ class Router:
         return f"http://{self.host}:{self.port}"
 
     @classmethod
-    def start_or_join(cls, options: RouterOptions, host: str) -> Router:
-        """The router at `--vllm-router-ip:port` if given (it must answer /health), else a new one on `host`."""
+    def start_or_join(cls, options: RouterOptions, host: str, log_dir: Path | None) -> Router:
+        """The router at `--vllm-router-ip:port` if given (it must answer /health), else a new one on `host`, its
+        log in `log_dir` (ServerProcess)."""
         if options.ip is not None:
             router = cls(options.ip, options.port)
             try:
@@ -63,7 +64,7 @@ class Router:
             return router
         port, metrics_port = free_port(host), free_port(host)
         return cls(host, port, ServerProcess("vllm-router", router_argv(options, host, port, metrics_port),
-                                             f"http://{host}:{port}", "/health", timeout_s=60))
+                                             f"http://{host}:{port}", "/health", log_dir, timeout_s=60))
 
     def add(self, server_url: str) -> None:
         httpx.post(self.url + "/add_worker", params={"url": server_url}, timeout=60).raise_for_status()

@@ -9,6 +9,9 @@ the server mode: `--enable-scale-out` opens `/inference/v1/generate` (token ids 
 Every server runs under a guard (vime_engine/rollout/server/server_guard.py) that ends the server's whole process
 group when the server exits or the actor dies: a killed server, a killed actor or a stopped cluster leaves nothing
 running, vLLM's engine core included.
+
+A server's output goes to a file of its own among the run's logs (`new_log`); a server started outside a run logs
+to a temporary file, removed when the server is stopped and kept when it failed (its errors name the file).
 """
 
 from __future__ import annotations
@@ -55,14 +58,37 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def new_log(log_dir: Path | None, name: str) -> Path:
+    """A new, empty log file for the server `name`. In `log_dir` (the run's logs, made if missing) it is `name.log`,
+    or `name.2.log`, `name.3.log`, … when the earlier ones exist: a replaced engine's log is the evidence of its
+    death, and a resumed run's servers start again beside the first process's, so no log is ever overwritten (each
+    file is created exclusively, so two processes never share one). Without `log_dir`: a temporary file,
+    vimeflow-NAME-*.log."""
+    if log_dir is None:
+        fd, path = tempfile.mkstemp(prefix=f"vimeflow-{name}-", suffix=".log")
+        os.close(fd)
+        return Path(path)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    start = 1
+    while True:
+        path = log_dir / (f"{name}.log" if start == 1 else f"{name}.{start}.log")
+        try:
+            path.touch(exist_ok=False)
+            return path
+        except FileExistsError:
+            start += 1
+
+
 class ServerProcess:
     """A server (vLLM's or the router) started from `argv` under its guard, waited for on `health_path`; its output
-    in a log file whose tail an error shows. `process` is the guard's, which exits with the server's code."""
+    in a log file (`new_log` in `log_dir`) whose tail an error shows. `process` is the guard's, which exits with the
+    server's code."""
 
-    def __init__(self, name: str, argv: list[str], url: str, health_path: str, env: dict[str, str] | None = None,
-                 timeout_s: float = START_TIMEOUT_S):
+    def __init__(self, name: str, argv: list[str], url: str, health_path: str, log_dir: Path | None,
+                 env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S):
         self.name, self.url = name, url
-        self.log_path = Path(tempfile.mkstemp(prefix=f"vimeflow-{name}-", suffix=".log")[1])
+        self.log_path = new_log(log_dir, name)
+        self._temporary_log = log_dir is None
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "vime_engine.rollout.server.server_guard", str(os.getpid()), *argv],
@@ -80,7 +106,7 @@ class ServerProcess:
                 if httpx.get(self.url + path, timeout=5).status_code == 200:
                     return
             time.sleep(0.5)
-        self.stop()
+        self._end()  # its log stays: the error names it
         raise TimeoutError(f"{self.name} was not ready on {self.url}{path} after {timeout_s:.0f} s; the end of its "
                            f"log ({self.log_path}):\n{self.log_tail()}")
 
@@ -88,11 +114,18 @@ class ServerProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        """End the server and every process it started (its guard's SIGTERM; a SIGKILL past the guard's grace)."""
+        """End the server if it is running, and with it a temporary log; a server that exited by itself keeps its
+        log, the evidence of why."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=GRACE_S + 5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()  # the server dies with its guard (its parent-death signal)
-                self.process.wait()
+            self._end()
+            if self._temporary_log:
+                self.log_path.unlink(missing_ok=True)
+
+    def _end(self) -> None:
+        """End the server and every process it started (its guard's SIGTERM; a SIGKILL past the guard's grace)."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=GRACE_S + 5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()  # the server dies with its guard (its parent-death signal)
+            self.process.wait()
