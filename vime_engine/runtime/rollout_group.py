@@ -52,6 +52,7 @@ from vime_engine.config import EngineConfig
 from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
 from vime_engine.devices.accelerator import Accelerator, use_cpu_share
+from vime_engine.runtime.actor_start import start_up_without_collections
 from vime_engine.runtime.placement import (
     PLACEMENT_TIMEOUT_S, actor_resources, bundle_resources, describe, reserve, wait_until_placed,
 )
@@ -95,9 +96,10 @@ class RolloutActor(RolloutWorker):
     receiver: BroadcastReceiver | None = None
 
     def __init__(self, cfg: EngineConfig, kv_cache_bytes: int | None, on_cpu: bool):
-        if on_cpu:
-            use_cpu_share(cfg.rollout_engines, cfg.placement.async_rollout)
-        super().__init__(cfg, kv_cache_bytes)
+        with start_up_without_collections():
+            if on_cpu:
+                use_cpu_share(cfg.rollout_engines, cfg.placement.async_rollout)
+            super().__init__(cfg, kv_cache_bytes)
 
     def open_weight_receiver(
         self, address: GroupAddress, specs: list[TensorSpec], bucket_bytes: int, device: str, rank: int,

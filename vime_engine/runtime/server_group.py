@@ -47,6 +47,7 @@ from vime_engine.rollout.server.server_guard import GRACE_S
 from vime_engine.rollout.server.vllm_server import ServerProcess, free_port, server_argv
 from vime_engine.rollout.vllm_engine import engine_max_model_len
 from vime_engine.rollout.worker import RolloutWorker, engine_settings
+from vime_engine.runtime.actor_start import start_up_without_collections
 from vime_engine.runtime.placement import actor_resources
 from vime_engine.runtime.rollout_group import HEALTH, GenerateCall, RolloutGroup, reserve_engine_bundles
 from vime_engine.sample import Sample
@@ -174,10 +175,11 @@ class Dispatcher(RolloutWorker):
     """The driver's one engine in server mode: rounds generated through the router."""
 
     def __init__(self, cfg: EngineConfig, address: RouterAddress):
-        max_model_len = engine_max_model_len(engine_settings(cfg, kv_cache_bytes=None))
-        timeout = cfg.placement.vllm_router_request_timeout_secs
-        super().__init__(cfg, engine=RouterEngine(address, max_model_len, timeout,
-                                                  resend=cfg.rollout.use_fault_tolerance))
+        with start_up_without_collections():
+            max_model_len = engine_max_model_len(engine_settings(cfg, kv_cache_bytes=None))
+            timeout = cfg.placement.vllm_router_request_timeout_secs
+            super().__init__(cfg, engine=RouterEngine(address, max_model_len, timeout,
+                                                      resend=cfg.rollout.use_fault_tolerance))
 
     def set_weight_version(self, version: int) -> None:
         self.engine.weight_version = version

@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vime_engine.config import ConfigError, EngineConfig
 from vime_engine.checkpoint.manifest import FileEntry
 from vime_engine.devices.accelerator import Accelerator, use_cpu_share
+from vime_engine.runtime.actor_start import start_up_without_collections
 from vime_engine.runtime.placement import actor_resources, bundle_node_ids, bundle_resources, describe, reserve
 from vime_engine.sample import Sample
 from vime_engine.train.backend import TrainBackend, build_train_backend
@@ -69,13 +70,14 @@ class TrainerRank:
     """One rank of the trainer group: a training backend in its own process."""
 
     def __init__(self, cfg: EngineConfig, accel: Accelerator, address: RankAddress):
-        if accel.kind == "cpu":
-            use_cpu_share(cfg.placement.actor_num_gpus_per_node, cfg.placement.async_rollout)
-        join_process_group(address, accel.dist_backend)
-        self.rank = address.rank
-        self.device = accel.torch_device
-        self.backend: TrainBackend = build_train_backend(cfg, accel.torch_device)
-        self.sender: BroadcastSender | None = None
+        with start_up_without_collections():
+            if accel.kind == "cpu":
+                use_cpu_share(cfg.placement.actor_num_gpus_per_node, cfg.placement.async_rollout)
+            join_process_group(address, accel.dist_backend)
+            self.rank = address.rank
+            self.device = accel.torch_device
+            self.backend: TrainBackend = build_train_backend(cfg, accel.torch_device)
+            self.sender: BroadcastSender | None = None
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         return self.backend.train_rollout(samples)

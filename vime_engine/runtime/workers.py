@@ -28,6 +28,7 @@ from vime_engine.data.records import PromptRecord
 from vime_engine.rollout.cpu_shm import released_after_start
 from vime_engine.rollout.worker import GenerationPlan, RolloutWorker
 from vime_engine.devices.accelerator import Accelerator
+from vime_engine.runtime.actor_start import start_up_without_collections
 from vime_engine.runtime.memory_turns import check_memory_margin, check_memory_turn_flags, memory_turns
 from vime_engine.runtime.placement import check_nodes_see, device_nodes, nodes_of, with_placement_decided
 from vime_engine.runtime.rollout_group import EngineHandle, FaultTolerance, GroupRound, PendingSamples, RolloutGroup
@@ -45,16 +46,17 @@ class ColocatedActor(TrainerRank):
     turns at the device's memory (vime_engine.runtime.memory_turns)."""
 
     def __init__(self, cfg: EngineConfig, accel: Accelerator, address: RankAddress, kv_cache_bytes: int | None):
-        super().__init__(cfg, accel, address)
-        per_engine = cfg.rollout.rollout_num_gpus_per_engine
-        first = address.rank - address.rank % per_engine
-        starting = (released_after_start(list(range(first, first + per_engine)), address.rank - first)
-                    if per_engine > 1 and accel.kind == "cpu" else contextlib.nullcontext())
-        with starting:
-            self.rollout = RolloutWorker(cfg, kv_cache_bytes)
-        self.memory = memory_turns(accel.kind, self.rollout.engine.llm, self.backend, accel.torch_device,
-                                   cfg.placement.train_memory_margin_bytes,
-                                   offload_trainer=not cfg.placement.no_offload_train)
+        with start_up_without_collections():  # the trainer's and the engine's start-up, one collection at its end
+            super().__init__(cfg, accel, address)
+            per_engine = cfg.rollout.rollout_num_gpus_per_engine
+            first = address.rank - address.rank % per_engine
+            starting = (released_after_start(list(range(first, first + per_engine)), address.rank - first)
+                        if per_engine > 1 and accel.kind == "cpu" else contextlib.nullcontext())
+            with starting:
+                self.rollout = RolloutWorker(cfg, kv_cache_bytes)
+            self.memory = memory_turns(accel.kind, self.rollout.engine.llm, self.backend, accel.torch_device,
+                                       cfg.placement.train_memory_margin_bytes,
+                                       offload_trainer=not cfg.placement.no_offload_train)
 
     # The trainer's side: the device's memory is the trainer's first.
     def train(self, samples: list[Sample]) -> dict[str, float]:
