@@ -86,10 +86,19 @@ def prefect_api(tmp_path_factory) -> Iterator[PrefectAPI]:
 
 @pytest.fixture(scope="session")
 def prefect_harness() -> Iterator[None]:
-    """Prefect's test harness (a temporary server, about 10 s to start), once per session: in-process flows."""
+    """Prefect's test harness (a temporary server, about 10 s to start), once per session: in-process flows.
+
+    Prefect's in-process event and log workers keep the server they started with. One started under
+    `prefect_api` (an end-to-end test earlier on this xdist worker) went on sending this harness's flows' events
+    there: the harness never recorded their task runs (test_staging.py's `task_attempts` found none). Drained at the
+    start, they start again on the harness's server."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness():
+        EventsWorker.drain_all(at_exit=False)
+        APILogWorker.drain_all(at_exit=False)
         yield
 
 
