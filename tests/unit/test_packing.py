@@ -15,63 +15,103 @@ from vime_engine.algorithms.packing import (
 )
 
 
-def test_similar_lengths_go_together_by_hand() -> None:
-    # lengths [50, 10, 48, 12, 11], budget 1000, padding at most a quarter; longest first: 50 (i0), 48 (i2), ...
-    #   i0 opens A; i2 -> A: 2 rows x 50 = 100 padded, 98 real; i3 (12) -> A: 150 padded, 110 real, 40 padding
-    #   > 37.5 -> opens B; i4 (11) -> B: 24 padded, 23 real; i1 (10) -> B: 36 padded, 33 real
-    assert pack_by_padded_length([50, 10, 48, 12, 11], 1000, 0.25) == [[0, 2], [1, 3, 4]]
-    # one micro-batch when the lengths allow, a budget counted in padded tokens (3 x 50 > 120)
-    assert pack_by_padded_length([50, 48, 45], 1000, 0.25) == [[0, 1, 2]]
-    assert pack_by_padded_length([50, 48, 45], 120, 0.25) == [[0, 1], [2]]
+def test_padding_is_worth_a_micro_batch_only_where_it_costs_less_by_hand() -> None:
+    # lengths [50, 10, 48, 12, 11], longest first: 50 (i0), 48 (i2), 12 (i3), 11 (i4), 10 (i1).
+    # Fixed cost 0: padding never pays, so every length runs alone.
+    assert pack_by_padded_length([50, 10, 48, 12, 11], 1000, 0) == [[0], [1], [2], [3], [4]]
+    # Fixed cost 5: {50, 48} pads 2 tokens (100 + 5 < 98 + 10), {12, 11, 10} pads 3 (36 + 5 < 33 + 15);
+    # {50, 48, 12} would pad 38.
+    assert pack_by_padded_length([50, 10, 48, 12, 11], 1000, 5) == [[0, 2], [1, 3, 4]]
+    # Fixed cost 200: one micro-batch of 250 padded tokens (250 + 200 against 100 + 36 + 400)
+    assert pack_by_padded_length([50, 10, 48, 12, 11], 1000, 200) == [[0, 1, 2, 3, 4]]
+    # the budget counts padded tokens: 3 x 50 > 120
+    assert pack_by_padded_length([50, 48, 45], 1000, 100) == [[0, 1, 2]]
+    assert pack_by_padded_length([50, 48, 45], 120, 100) == [[0, 1], [2]]
+
+
+def test_attention_makes_long_padded_rows_cost_more_by_hand() -> None:
+    # [100, 60], fixed cost 50: together 200 + 50 against 160 + 100 without attention; a pair cost of 0.01 adds
+    # 2 x 100 for the padded pair against 100 + 36 apart.
+    assert pack_by_padded_length([100, 60], 1000, 50) == [[0, 1]]
+    assert pack_by_padded_length([100, 60], 1000, 50, pair_cost=0.01) == [[0], [1]]
 
 
 def test_exact_fits_ties_and_empty() -> None:
-    # four 4s into 8: i0, i1 fill A (8 padded); i2 opens B
-    assert pack_by_padded_length([4, 4, 4, 4], 8, 0.25) == [[0, 1], [2, 3]]
-    # no padding allowed: only equal lengths share a micro-batch
-    assert pack_by_padded_length([3, 2, 3, 2], 100, 0.0) == [[0, 2], [1, 3]]
-    assert pack_by_padded_length([0, 5, 0], 5, 0.25) == [[0, 2], [1]]  # empty samples together, not padded to 5
-    assert pack_by_padded_length([], 8, 0.25) == []
+    # four 4s into 8: two per micro-batch at most
+    assert pack_by_padded_length([4, 4, 4, 4], 8, 1) == [[0, 1], [2, 3]]
+    # no fixed cost: equal lengths still share a micro-batch, as cheap as apart and fewer
+    assert pack_by_padded_length([3, 2, 3, 2], 100, 0) == [[0, 2], [1, 3]]
+    assert pack_by_padded_length([0, 5, 0], 5, 1) == [[0, 2], [1]]  # empty samples together, not padded to 5
+    assert pack_by_padded_length([], 8, 1) == []
 
 
 def test_a_sample_over_the_budget_names_the_flag_and_a_value() -> None:
     with pytest.raises(ValueError) as err:
-        pack_by_padded_length([3, 9, 7], 5, 0.25)
+        pack_by_padded_length([3, 9, 7], 5, 1)
     message = str(err.value)
     assert "--max-tokens-per-gpu=5" in message
     assert "sample 1 has 9 tokens" in message
     assert "at least 9" in message
 
 
-def test_invalid_budget_share_or_length() -> None:
+def test_invalid_budget_costs_or_length() -> None:
     with pytest.raises(ValueError, match="--max-tokens-per-gpu must be > 0"):
-        pack_by_padded_length([1], 0, 0.25)
-    with pytest.raises(ValueError, match="max_padding_share"):
-        pack_by_padded_length([1], 4, 1.0)
+        pack_by_padded_length([1], 0, 1)
+    with pytest.raises(ValueError, match="fixed_cost and pair_cost must be >= 0"):
+        pack_by_padded_length([1], 4, -1)
     with pytest.raises(ValueError, match="negative length"):
-        pack_by_padded_length([1, -1], 4, 0.25)
+        pack_by_padded_length([1, -1], 4, 1)
+
+
+def _cost(bins: list[list[int]], lengths: list[int], fixed: float, pair: float) -> float:
+    return sum(len(m) * (max(lengths[i] for i in m) + pair * max(lengths[i] for i in m) ** 2) + fixed for m in bins)
+
+
+def _partitions(items: list[int]):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in _partitions(rest):
+        yield [[first], *partition]
+        for k in range(len(partition)):
+            yield [*partition[:k], [first, *partition[k]], *partition[k + 1:]]
+
+
+def test_no_partition_is_cheaper_over_random_lengths() -> None:
+    # Against every partition of up to 7 samples (877 of them), not only the runs the packing searches.
+    rng = random.Random(20261204)
+    for _ in range(60):
+        lengths = [rng.randint(0, 40) for _ in range(rng.randint(1, 7))]
+        max_tokens = rng.randint(max(lengths + [1]), 4 * max(lengths) + 1)
+        fixed, pair = rng.choice([0, 1, 7.5, 40]), rng.choice([0.0, 0.01])
+        bins = pack_by_padded_length(lengths, max_tokens, fixed, pair)
+        feasible = [p for p in _partitions(list(range(len(lengths))))
+                    if all(len(m) == 1 or len(m) * max(lengths[i] for i in m) <= max_tokens for m in p)]
+        cheapest = min(_cost(p, lengths, fixed, pair) for p in feasible)
+        assert _cost(bins, lengths, fixed, pair) == pytest.approx(cheapest)
 
 
 def test_packing_invariants_over_random_lengths() -> None:
     rng = random.Random(20261129)
     for _ in range(300):
         max_tokens = rng.randint(1, 4096)
-        share = rng.choice([0.0, 0.1, 0.25, 0.5])
+        fixed = rng.choice([0, 1, 50, 500])
         lengths = [rng.randint(0, max_tokens) for _ in range(rng.randint(0, 64))]
-        bins = pack_by_padded_length(lengths, max_tokens, share)
+        bins = pack_by_padded_length(lengths, max_tokens, fixed)
 
         flat = [i for members in bins for i in members]
         assert sorted(flat) == list(range(len(lengths)))  # every index exactly once
         for members in bins:
             assert members  # no empty micro-batch
             assert members == sorted(members)  # ascending within a bin
-            padded = len(members) * max(lengths[i] for i in members)
-            assert padded <= max_tokens  # budget respected in padded tokens
-            assert padded - sum(lengths[i] for i in members) <= share * padded  # padding bounded
+            assert len(members) * max(lengths[i] for i in members) <= max_tokens  # budget in padded tokens
+            if fixed == 0:
+                assert len({lengths[i] for i in members}) == 1  # padding never pays for itself
         assert [members[0] for members in bins] == sorted(members[0] for members in bins)
-        # never more padded work than padding every sample to the longest in one forward would cost
-        assert sum(len(m) * max(lengths[i] for i in m) for m in bins) <= len(lengths) * max(lengths, default=0)
-        assert pack_by_padded_length(list(lengths), max_tokens, share) == bins  # deterministic
+        # never costlier than a micro-batch per sample
+        assert _cost(bins, lengths, fixed, 0.0) <= sum(lengths) + fixed * len(lengths)
+        assert pack_by_padded_length(list(lengths), max_tokens, fixed) == bins  # deterministic
 
 
 def test_fixed_size_micro_batches() -> None:
@@ -117,7 +157,7 @@ def test_split_to_count_halves_the_fullest_micro_batch_then_adds_empty_ones_by_h
 def test_split_to_count_keeps_every_index_in_order_and_grows_no_micro_batch(seed: int) -> None:
     rng = random.Random(seed)
     lengths = [rng.randint(1, 300) for _ in range(rng.randint(0, 24))]
-    plan = pack_by_padded_length(lengths, 600, 0.25)
+    plan = pack_by_padded_length(lengths, 600, 30)
     count = len(plan) + rng.randint(0, 10)
     split = split_to_count(plan, count)
     assert len(split) == count

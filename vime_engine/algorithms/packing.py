@@ -7,25 +7,31 @@ from collections.abc import Sequence
 __all__ = ["balanced_shares", "fixed_size_micro_batches", "pack_by_padded_length", "shared_prompt_rows"]
 
 
-def pack_by_padded_length(lengths: Sequence[int], max_tokens: int, max_padding_share: float) -> list[list[int]]:
+def pack_by_padded_length(lengths: Sequence[int], max_tokens: int, fixed_cost: float,
+                          pair_cost: float = 0.0) -> list[list[int]]:
     """Group sample indices into micro-batches for a forward that pads every row to the micro-batch's longest.
 
-    A micro-batch of `rows` samples whose longest has `L` tokens costs `rows * L` tokens of work and memory, so
-    samples of similar length go together. Algorithm: samples are visited longest first (ties by lower index);
-    each joins the micro-batch opened last while its padded size stays within `max_tokens` (`--max-tokens-per-gpu`)
-    and its padding stays at most `max_padding_share` of that size; otherwise it opens a new one. Deterministic:
-    the result depends only on the arguments.
+    A micro-batch of `rows` samples whose longest has `L` tokens computes `rows` rows of `L` tokens, padding
+    included: it costs `rows * (L + pair_cost * L**2) + fixed_cost`, in tokens of work (`pair_cost`: a query-key
+    pair's attention against a token's work; `fixed_cost`: what a micro-batch costs whatever its size, the host's
+    dispatch of its forward and backward). The result is the cheapest partition into runs of the samples ordered
+    longest first (ties by lower index) whose padded sizes `rows * L` fit `max_tokens` (`--max-tokens-per-gpu`; a
+    single sample always fits), by dynamic programming over the run ends; among equally cheap ones, the one with
+    fewer micro-batches. No partition is cheaper: where a micro-batch holds a shorter sample than another one
+    whose longest is no longer, swapping the two keeps both sizes and lengthens neither's rows, so swaps turn any
+    partition into runs of that order at no more cost. Deterministic: the result depends only on the arguments.
 
     Invariants of the result: every index of `lengths` appears exactly once; each micro-batch's padded size is
-    <= max_tokens and its padding <= max_padding_share of it; indices within a micro-batch are ascending;
-    micro-batches are ordered by their smallest index; no micro-batch is empty. An empty `lengths` gives [].
+    <= max_tokens; indices within a micro-batch are ascending; micro-batches are ordered by their smallest index;
+    no micro-batch is empty; with `fixed_cost` 0, only samples of equal length share a micro-batch. An empty
+    `lengths` gives [].
 
     Raises ValueError when a single sample is longer than `max_tokens` (no split could hold it).
     """
     if max_tokens <= 0:
         raise ValueError(f"--max-tokens-per-gpu must be > 0, got {max_tokens}")
-    if not 0 <= max_padding_share < 1:
-        raise ValueError(f"max_padding_share must be in [0, 1), got {max_padding_share}")
+    if fixed_cost < 0 or pair_cost < 0:
+        raise ValueError(f"fixed_cost and pair_cost must be >= 0, got {fixed_cost} and {pair_cost}")
     for index, length in enumerate(lengths):
         if length < 0:
             raise ValueError(f"sample {index} has a negative length {length}")
@@ -34,18 +40,28 @@ def pack_by_padded_length(lengths: Sequence[int], max_tokens: int, max_padding_s
                 f"sample {index} has {length} tokens, more than --max-tokens-per-gpu={max_tokens}; "
                 f"set --max-tokens-per-gpu to at least {max(lengths)}"
             )
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    # best[j]: (cost, micro-batches) of the cheapest packing of order[:j]; start[j]: where its last run begins.
+    best: list[tuple[float, int]] = [(0.0, 0)]
+    start: list[int] = [0]
+    for end in range(1, len(order) + 1):
+        candidates = []
+        for first in range(end - 1, -1, -1):
+            rows, longest = end - first, lengths[order[first]]
+            if rows > 1 and rows * longest > max_tokens:
+                break  # earlier starts only add rows, each at least as long
+            cost, count = best[first]
+            candidates.append(((cost + rows * (longest + pair_cost * longest * longest) + fixed_cost, count + 1),
+                               first))
+        chosen, first = min(candidates)
+        best.append(chosen)
+        start.append(first)
     bins: list[list[int]] = []
-    real_tokens = 0  # of the micro-batch opened last; its longest sample is its first
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        if bins:
-            padded = (len(bins[-1]) + 1) * lengths[bins[-1][0]]
-            if padded <= max_tokens and padded - real_tokens - lengths[index] <= max_padding_share * padded:
-                bins[-1].append(index)
-                real_tokens += lengths[index]
-                continue
-        bins.append([index])
-        real_tokens = lengths[index]
-    return sorted(sorted(members) for members in bins)
+    end = len(order)
+    while end > 0:
+        bins.append(sorted(order[start[end]:end]))
+        end = start[end]
+    return sorted(bins)
 
 
 def fixed_size_micro_batches(num_samples: int, micro_batch_size: int) -> list[list[int]]:

@@ -37,7 +37,7 @@ from vime_engine.devices.accelerator import prepare_accelerator, resolve_acceler
 from vime_engine.sample import Sample
 from vime_engine.train.megatron_hf import is_converted_checkpoint
 from vime_engine.train.megatron_mtp import carried_mtp_tensors, require_kept_mtp_tensors
-from vime_engine.train.micro_batches import derived_max_tokens, plan_micro_batches
+from vime_engine.train.micro_batches import derived_max_tokens, micro_batch_fixed_tokens, plan_micro_batches
 from vime_engine.train.objective import MicroBatchOutputs, lr_schedule, micro_batch_loss, needs_reference
 from vime_engine.train.rollout_batch import (
     RolloutBatch,
@@ -86,8 +86,9 @@ class MegatronTrainBackend:
         self.vocab_size = self.arch.vocab_size
         from transformers import AutoConfig
 
-        self.derived_max_tokens = derived_max_tokens(
-            AutoConfig.from_pretrained(cfg.model.hf_checkpoint), self.dtype, self.device)
+        hf_config = AutoConfig.from_pretrained(cfg.model.hf_checkpoint)
+        self.derived_max_tokens = derived_max_tokens(hf_config, self.dtype, self.device)
+        self.micro_batch_fixed_tokens = micro_batch_fixed_tokens(hf_config, self.device)
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=self.layout.grad_reduce_in_fp32, overlap_grad_reduce=False)
         self.initial_weights = initial_weights(cfg)
@@ -146,7 +147,8 @@ class MegatronTrainBackend:
 
     # -- forward passes through Megatron's schedule ------------------------------------------------------------
     def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        return plan_micro_batches(self.cfg.train, [s.total_length for s in samples], self.derived_max_tokens)
+        return plan_micro_batches(self.cfg.train, [s.total_length for s in samples], self.derived_max_tokens,
+                                  self.micro_batch_fixed_tokens)
 
     def _inputs(self, samples: list[Sample], indices: list[int], records: list[Tensor] | None = None) -> _MicroBatch:
         """The micro-batch of `samples[indices]`; with `records` (one per sample of `samples`), the routing it

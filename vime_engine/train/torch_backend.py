@@ -34,6 +34,7 @@ from vime_engine.train.forward_rows import build_forward_rows
 from vime_engine.train.micro_batches import (
     attention_pair_cost,
     derived_max_tokens,
+    micro_batch_fixed_tokens,
     plan_shared_prompt_micro_batches,
 )
 from vime_engine.train.objective import MicroBatchOutputs, lr_schedule, micro_batch_loss, needs_reference
@@ -99,6 +100,7 @@ class TorchTrainBackend:
             AutoModelForCausalLM.from_pretrained(cfg.model.hf_checkpoint, torch_dtype=dtype)).to(self.device)
         self.model.train()
         self.derived_max_tokens = derived_max_tokens(self.model.config, dtype, self.device)
+        self.micro_batch_fixed_tokens = micro_batch_fixed_tokens(self.model.config, self.device)
         # Samples share their prompt's forward row through a custom attention mask, which torch's SDPA (the default
         # attention of HF models) takes and flash-attention kernels do not: with those, a row per sample.
         self.attention_pair_cost = (attention_pair_cost(self.model.config)
@@ -247,7 +249,7 @@ class TorchTrainBackend:
         the same prompt share a row where that saves work); sharded, as many on every rank (some maybe empty)."""
         plan = plan_shared_prompt_micro_batches(
             self.cfg.train, [s.prompt_tokens for s in samples], [s.response_length for s in samples],
-            self.derived_max_tokens, self.attention_pair_cost)
+            self.derived_max_tokens, self.micro_batch_fixed_tokens, self.attention_pair_cost)
         return split_to_count(plan, self.dp.max_over_ranks(len(plan))) if self.sharded else plan
 
     # -- one rollout's training ---------------------------------------------------------------------------------
