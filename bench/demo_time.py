@@ -59,7 +59,8 @@ def run_demo(source: Path, keep: Path | None) -> dict:
     events: list[tuple[float, str, str]] = []
     for line in log.read_text(errors="replace").splitlines():
         if m := TASK_LINE.match(line):
-            events.append((_clock(m[1]) - start, re.sub(r"-[0-9a-f]{3}$", "", m[2]), m[3]))
+            # the log's clock has no date: a run that passes midnight goes on counting from its start
+            events.append(((_clock(m[1]) - start) % 86400, re.sub(r"-[0-9a-f]{3}$", "", m[2]), m[3]))
     finished = {name: at for at, name, what in events if what.startswith("Finished in state")}
     began = next((at for at, _, what in events if what.startswith("Beginning flow run")), None)
     metrics = [json.loads(x) for p in sorted((work / "cache" / "work").glob("*/output/metrics.jsonl"))
