@@ -81,25 +81,24 @@ def derived_max_tokens(hf_config, dtype: torch.dtype, device: torch.device) -> i
     return max(1, budget // activation_bytes_per_token(hf_config, dtype))
 
 
-def _query_width(hf_config) -> int:
-    heads = hf_config.num_attention_heads
-    return heads * (getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+def _head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def _layer_weights(hf_config) -> int:
-    """The weights of one layer's matrix multiplies: the attention projections and a gated MLP."""
-    hidden = hf_config.hidden_size
+    """The weights of one layer's matrix multiplies: the attention projections (q and o, k and v) and a gated MLP."""
+    hidden, head_dim = hf_config.hidden_size, _head_dim(hf_config)
     heads = hf_config.num_attention_heads
-    kv_width = _query_width(hf_config) // heads * (getattr(hf_config, "num_key_value_heads", None) or heads)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     intermediate = getattr(hf_config, "intermediate_size", None) or 4 * hidden
-    return 2 * hidden * _query_width(hf_config) + 2 * hidden * kv_width + 3 * hidden * intermediate
+    return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate
 
 
 def attention_pair_cost(hf_config) -> float:
     """A query-key pair's attention work in a forward (q.k and the weighted v: 4 x query width per layer) relative
     to a token's work in the layers' matrix multiplies (2 x their weights): how much longer rows cost beyond their
     tokens (vime_engine.algorithms.packing)."""
-    return 4 * _query_width(hf_config) / (2 * _layer_weights(hf_config))
+    return 4 * hf_config.num_attention_heads * _head_dim(hf_config) / (2 * _layer_weights(hf_config))
 
 
 def micro_batch_fixed_tokens(hf_config, device: torch.device) -> float:
