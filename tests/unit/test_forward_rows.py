@@ -25,7 +25,7 @@ def test_layout_by_hand():
     assert layout.token_rows.tolist() == [0, 0, 0, 1]
     assert layout.predictors.tolist() == [2, 3, 2, 0]
     assert layout.targets.tolist() == [3, 4, 5, 1]
-    assert layout.first_predictor == 0
+    assert layout.flat_predictors.tolist() == [2, 3, 2, 6]
     # Where each sample's tokens are computed in the rows flattened to [2 × 6]: the shared prompt once for both.
     assert [index.tolist() for index in layout.sample_token_index()] == [[0, 1, 2, 3, 4], [0, 1, 2, 5], [6, 7]]
     mask = layout.attention_mask[:, 0].int().tolist()
@@ -116,3 +116,15 @@ def test_training_on_shared_rows_does_not_depend_on_the_thread_count(backend):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(weights[0], weights[1])
+
+
+def test_the_reference_model_runs_the_same_shared_rows(backend):
+    """--use-kl-loss: the reference model's forward takes the policy's layout (its own LM head on the predicting
+    positions); before any step both hold the same weights."""
+    trainer = _trainer(backend.cfg.model.hf_checkpoint, **{"use-kl-loss": True, "kl-loss-coef": 0.1})
+    groups = _groups()
+    with torch.no_grad():
+        policy = trainer._forward(trainer.model, groups, with_entropy=False)[0]
+        reference = trainer._forward(trainer.ref_model, groups, with_entropy=False)[0]
+    assert reference.shape == (sum(s.response_length for g in groups for s in g),)
+    assert torch.equal(policy, reference)

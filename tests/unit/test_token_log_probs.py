@@ -52,6 +52,23 @@ def test_log_probs_alone_and_half_precision_logits():
     torch.testing.assert_close(logits.grad, plain_in.grad)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_alone_in_fp32_and_one_backward_only(temperature):
+    """Without the entropy the saved softmax becomes the logits' gradient in place: the gradient is the plain
+    one, and a second backward through the same graph is refused rather than computed from a spent buffer."""
+    torch.manual_seed(2)
+    logits = (torch.randn(6, 30) * 2).requires_grad_(True)
+    tokens = torch.randint(0, 30, (6,))
+    weights = torch.randn(6)
+    lp, _ = token_log_probs_and_entropy(logits, tokens, temperature, with_entropy=False, chunk_tokens=4)
+    (lp * weights).sum().backward(retain_graph=True)
+    plain_in = logits.detach().clone().requires_grad_(True)
+    (_plain(plain_in, tokens, temperature)[0] * weights).sum().backward()
+    torch.testing.assert_close(logits.grad, plain_in.grad, atol=1e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="differentiated twice"):
+        (lp * weights).sum().backward()
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
         token_log_probs_and_entropy(torch.zeros(2, 3, 4), torch.zeros(2, dtype=torch.long), 1.0, True)

@@ -39,9 +39,10 @@ class ForwardRows:
     spans: tuple[tuple[int, int, int, int], ...]
 
     @property
-    def first_predictor(self) -> int:
-        """The earliest position any log-prob needs: the LM head can skip the positions before it."""
-        return int(self.predictors.min()) if self.predictors.numel() else 0
+    def flat_predictors(self) -> Tensor:
+        """Each response token's predicting position in the rows flattened to [rows × length]: where the LM head
+        must run (a shared prompt's last position once per sample of its row)."""
+        return self.token_rows * self.input_ids.shape[1] + self.predictors
 
     def sample_token_index(self) -> list[Tensor]:
         """Each sample's tokens (prompt, then response) as positions in the rows flattened to [rows × length], where

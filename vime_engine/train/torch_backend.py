@@ -147,27 +147,23 @@ class TorchTrainBackend:
         """Flat response log-probs of the samples of `rows` (one padded batch of rows, each a prompt and the
         responses sharing it: vime_engine.train.forward_rows), if asked the sampling distribution's entropy there,
         and if asked the router's load-balancing loss over the rows' tokens (`_moe_aux_loss`); with `routing`, the
-        policy's routers replay its records and it keeps what they chose. The LM head runs only from the earliest
-        predicting position on (`logits_to_keep`), and log-probs and entropy come chunk by chunk over the tokens
-        (vime_engine.algorithms.token_log_probs)."""
+        policy's routers replay its records and it keeps what they chose. The LM head runs only on the positions
+        whose logits predict a response token (`_head_at`), and log-probs and entropy come chunk by chunk over the
+        tokens (vime_engine.algorithms.token_log_probs)."""
         layout = build_forward_rows(rows, self.device)
-        first = layout.first_predictor
+        hf_model = self.model if model is self.train_model else model  # the policy under its DDP wrapper
         router_logits: list[Tensor] = []
         with contextlib.ExitStack() as hooks:
+            hooks.enter_context(_head_at(hf_model, layout.flat_predictors))
             if routing is not None:
                 hooks.enter_context(routing.applied(self.model, layout))
             if with_moe_aux_loss:
                 hooks.enter_context(_recording_router_logits(self.model, router_logits))
             logits = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
-                           position_ids=layout.position_ids, logits_to_keep=layout.input_ids.shape[1] - first,
-                           use_cache=False).logits
+                           position_ids=layout.position_ids, use_cache=False).logits
         aux = self._moe_aux_loss(tuple(router_logits), layout.tokens) if with_moe_aux_loss else None
-        # index_select, not logits[rows, positions]: a shared prompt's last logit predicts several tokens, and the
-        # backward of advanced indexing sums repeated indices in an order that depends on the thread count (a run
-        # trained on one core and on two would differ); index_select's backward adds them in index order.
-        predicting = layout.token_rows * logits.shape[1] + layout.predictors - first
         temperature = self.cfg.rollout.rollout_temperature
-        log_probs, entropy = token_log_probs_and_entropy(logits.flatten(0, 1).index_select(0, predicting),
+        log_probs, entropy = token_log_probs_and_entropy(logits.flatten(0, 1),
                                                          layout.input_ids[layout.token_rows, layout.targets],
                                                          temperature, with_entropy)
         return log_probs, entropy, aux
@@ -427,6 +423,26 @@ class TorchTrainBackend:
     def _sharded_like(module: nn.Module, weights: dict[str, Tensor]) -> dict[str, Tensor]:
         local = module.state_dict()
         return {name: sharded_like(t, local[name]) if name in local else t for name, t in weights.items()}
+
+
+@contextlib.contextmanager
+def _head_at(model: nn.Module, positions: Tensor) -> Iterator[None]:
+    """While the block runs, `model`'s LM head takes only the hidden states at `positions` of its input rows
+    flattened to [rows × length]: the logits come out [1, positions, vocab], in `positions`' order, and the model's
+    own steps after the head (a logit scale or soft cap) still apply. The head's products and the [tokens, vocab]
+    logits are the log-probs' alone, not the padding's or the prompts'. index_select, not advanced indexing: a
+    shared prompt's last position predicts several tokens, and the backward of advanced indexing sums repeated
+    indices in an order that depends on the thread count (a run trained on one core and on two would differ);
+    index_select's backward adds them in index order."""
+    def select(_head: nn.Module, args: tuple) -> tuple:
+        hidden, *rest = args
+        return (hidden.flatten(0, 1).index_select(0, positions).unsqueeze(0), *rest)
+
+    hook = model.get_output_embeddings().register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 @contextlib.contextmanager
