@@ -34,6 +34,7 @@ from vime_engine.config import EngineConfig
 from vime_engine.checkpoint.finite import check_finite_load, nonfinite_tensors, refuse_nonfinite_save
 from vime_engine.checkpoint.manifest import ChecksumMismatch, FileEntry, verify_local_tree
 from vime_engine.devices.accelerator import prepare_accelerator, resolve_accelerator
+from vime_engine.devices.host_memory import keep_freed_heap
 from vime_engine.sample import Sample
 from vime_engine.train.megatron_hf import is_converted_checkpoint
 from vime_engine.train.megatron_mtp import carried_mtp_tensors, require_kept_mtp_tensors
@@ -80,6 +81,8 @@ class MegatronTrainBackend:
         mm.init_distributed(self.accelerator, self.layout, cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
         self.device = torch.device(self.accelerator.torch_device)
+        if self.device.type == "cpu":
+            keep_freed_heap()  # a step's large blocks are reused, not zeroed again (vime_engine.devices.host_memory)
         self.dtype = getattr(torch, cfg.model.dtype)
         bridge = cfg.train.megatron_to_hf_mode == "bridge"
         self.arch = mm.HFArchitecture.from_pretrained(cfg.model.hf_checkpoint, bridge=bridge)

@@ -27,6 +27,7 @@ from vime_engine.algorithms.packing import split_to_count
 from vime_engine.algorithms.token_log_probs import token_log_probs_and_entropy
 from vime_engine.config import EngineConfig
 from vime_engine.checkpoint.manifest import FileEntry, read_verified
+from vime_engine.devices.host_memory import keep_freed_heap
 from vime_engine.sample import Sample
 from vime_engine.checkpoint.tensor_files import join_tensors, read_tensors, split_tensors, write_tensors
 from vime_engine.train.data_parallel import DataParallel
@@ -98,6 +99,8 @@ class TorchTrainBackend:
 
         self.cfg = cfg
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_heap()  # a step's large blocks are reused, not zeroed again (vime_engine.devices.host_memory)
         dtype = getattr(torch, cfg.model.dtype)
         torch.manual_seed(cfg.train.seed)
         self.model = train_every_embedding_row(
