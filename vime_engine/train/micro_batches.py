@@ -11,9 +11,12 @@ of their tokens to be padding, bench/train_step.py: SmolLM2 with a quarter of th
 the training time per rollout; the demo's rollout 0.89x; a 64-token cap, rows of equal length, 0.99x; tiny 0.91x.
 
 The torch backend's unit is a forward row rather than a sample: the samples of one prompt (GRPO's n) can share a
-row that runs their prompt once (vime_engine.train.forward_rows), where the model's attention cost allows; a row
-then counts as one sample of its length. SmolLM2, 4 samples of each 44-token prompt at a 64-token cap: 0.74x the
-training time per rollout (bench/peer_trl.py).
+row that runs their prompt once (vime_engine.train.forward_rows); a row then counts as one sample of its length.
+SmolLM2, 4 samples of each 44-token prompt at a 64-token cap: 0.74x the training time per rollout
+(bench/peer_trl.py). Where each sample's attention runs on its own tokens (vime_engine.train.sample_attention), a
+longer row adds no attention, and the samples of a prompt share one row within the budget (pair cost 0); where
+SDPA takes the rows' mask, the row's query-key pairs count too (`attention_pair_cost`), and a prompt's samples
+share rows where that cost allows.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ from vime_engine.train.rollout_batch import (
     global_batches,
     old_log_probs_from_training_forward,
 )
+from vime_engine.train.sample_attention import sample_attention_layout, use_sample_attention
 from vime_engine.train.sharding import gathered, shard_model, sharded_like, sharded_optimizer_state, whole
 
 # The files of the resumable state (the checkpoint's trainer part).
@@ -64,6 +65,9 @@ OPTIMIZERS = {"adam": torch.optim.AdamW}
 # on 2 CPU cores: 71 ms a step against 305 ms, updates within 1.2e-7 of the unfused); elsewhere (torch_npu) the
 # unfused one.
 FUSED_OPTIMIZER_DEVICES = {"cpu", "cuda"}
+# Where each sample's attention runs on its own tokens (vime_engine.train.sample_attention): SDPA with a mask and
+# index gathers, measured on CPU; on CUDA the same calls (not measured here); torch_npu keeps the rows' mask.
+SAMPLE_ATTENTION_DEVICES = {"cpu", "cuda"}
 
 
 def train_every_embedding_row(model: nn.Module) -> nn.Module:
@@ -108,10 +112,15 @@ class TorchTrainBackend:
         self.model.train()
         self.derived_max_tokens = derived_max_tokens(self.model.config, dtype, self.device)
         self.micro_batch_fixed_tokens = micro_batch_fixed_tokens(self.model.config, self.device)
-        # Samples share their prompt's forward row through a custom attention mask, which torch's SDPA (the default
-        # attention of HF models) takes and flash-attention kernels do not: with those, a row per sample.
-        self.attention_pair_cost = (attention_pair_cost(self.model.config)
-                                    if self.model.config._attn_implementation == "sdpa" else None)
+        # Samples share their prompt's forward row. On torch's SDPA (the default attention of HF models), where
+        # SAMPLE_ATTENTION_DEVICES has the device, each sample's attention runs on its own tokens
+        # (vime_engine.train.sample_attention), so a row's length adds nothing to it; elsewhere SDPA takes the rows'
+        # mask and its cost grows with the row's length squared; flash-attention kernels take no mask: a row per
+        # sample.
+        attention = self.model.config._attn_implementation
+        self.sample_attention = self.device.type in SAMPLE_ATTENTION_DEVICES and use_sample_attention(self.model)
+        self.attention_pair_cost = (0.0 if self.sample_attention
+                                    else attention_pair_cost(self.model.config) if attention == "sdpa" else None)
         # A mixture-of-experts model's load-balancing loss, in the training forward only (preflight refused a
         # coefficient for a model without experts); at 0 the forward and the loss are the dense path's.
         self.moe_aux_loss = cfg.algorithm.moe_aux_loss_coeff > 0
@@ -123,6 +132,9 @@ class TorchTrainBackend:
             ref_path = cfg.checkpoint.ref_load or cfg.model.hf_checkpoint
             self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, torch_dtype=dtype).to(self.device).eval()
             self.ref_model.requires_grad_(False)
+            if self.sample_attention and not use_sample_attention(self.ref_model):
+                raise ValueError(f"the reference model {ref_path} does not run on torch's SDPA as the policy "
+                                 f"{cfg.model.hf_checkpoint} does; give it the same architecture")
         self.critic = None
         if ESTIMATORS[cfg.algorithm.advantage_estimator].needs_critic:
             self.critic = ValueHead(cfg.model.hf_checkpoint, dtype).to(self.device)
@@ -162,8 +174,10 @@ class TorchTrainBackend:
                 hooks.enter_context(routing.applied(self.model, layout))
             if with_moe_aux_loss:
                 hooks.enter_context(_recording_router_logits(self.model, router_logits))
+            attention = ({"sample_attention": sample_attention_layout(
+                layout.spans, layout.input_ids.shape[1], self.device)} if self.sample_attention else {})
             logits = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
-                           position_ids=layout.position_ids, use_cache=False).logits
+                           position_ids=layout.position_ids, use_cache=False, **attention).logits
         aux = self._moe_aux_loss(tuple(router_logits), layout.tokens) if with_moe_aux_loss else None
         temperature = self.cfg.rollout.rollout_temperature
         log_probs, entropy = token_log_probs_and_entropy(logits.flatten(0, 1),
