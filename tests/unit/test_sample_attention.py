@@ -29,14 +29,16 @@ def _rows(seed: int) -> list[list[Sample]]:
     return rows
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_outputs_and_gradients_match_sdpa_with_the_rows_mask(seed):
+@pytest.mark.parametrize(("seed", "value_dim"), [(0, DIM), (1, DIM), (2, DIM), (3, 3)])
+def test_outputs_and_gradients_match_sdpa_with_the_rows_mask(seed, value_dim):
+    """value_dim 3: multi-latent attention's values are narrower than its queries and keys."""
     layout = build_forward_rows(_rows(seed), torch.device("cpu"))
     rows, length = layout.input_ids.shape
     generator = torch.Generator().manual_seed(seed)
     query = torch.randn(rows, HEADS, length, DIM, generator=generator, dtype=torch.float64)
-    key, value = (torch.randn(rows, KV_HEADS, length, DIM, generator=generator, dtype=torch.float64) for _ in "kv")
-    weights = torch.randn(rows, length, HEADS, DIM, generator=generator, dtype=torch.float64)
+    key = torch.randn(rows, KV_HEADS, length, DIM, generator=generator, dtype=torch.float64)
+    value = torch.randn(rows, KV_HEADS, length, value_dim, generator=generator, dtype=torch.float64)
+    weights = torch.randn(rows, length, HEADS, value_dim, generator=generator, dtype=torch.float64)
     weights *= layout.tokens[:, :, None, None]  # padding positions' outputs are read by nothing
 
     def run(attend):

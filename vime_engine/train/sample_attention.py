@@ -102,21 +102,23 @@ def sample_attention_layout(spans: tuple[tuple[int, int, int, int], ...], length
 def sample_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                              attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              sample_attention: SampleAttention | None = None, **kwargs) -> tuple[Tensor, None]:
-    """HF's attention-function contract: query [rows, heads, length, dim], key and value [rows, kv heads,
-    length, dim] -> ([rows, length, heads, dim], no weights). Without `sample_attention`, SDPA's."""
+    """HF's attention-function contract: query and key [rows, heads or kv heads, length, dim], value [rows, kv
+    heads, length, value dim] (multi-latent attention's may differ) -> ([rows, length, heads, value dim], no
+    weights). Without `sample_attention`, SDPA's."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if sample_attention is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    rows, heads, length, dim = query.shape
+    rows, heads, length, _ = query.shape
+    value_dim = value.shape[-1]
     repeats = heads // key.shape[1]  # grouped-query attention: each key-value head serves `repeats` query heads
 
-    def flat(states: Tensor) -> Tensor:  # [rows, h, length, dim] -> [rows × length, h, dim]
-        return states.transpose(1, 2).reshape(rows * length, states.shape[1], dim)
+    def flat(states: Tensor) -> Tensor:  # [rows, h, length, d] -> [rows × length, h, d]
+        return states.transpose(1, 2).reshape(rows * length, *states.shape[1::2])
 
-    def take(states: Tensor, index: Tensor, repeat: int = 1) -> Tensor:  # -> [units, h × repeat, slots, dim]
-        taken = states.index_select(0, index.flatten()).view(*index.shape, states.shape[1], 1, dim)
+    def take(states: Tensor, index: Tensor, repeat: int = 1) -> Tensor:  # -> [units, h × repeat, slots, d]
+        taken = states.index_select(0, index.flatten()).view(*index.shape, states.shape[1], 1, states.shape[2])
         return taken.expand(-1, -1, -1, repeat, -1).flatten(2, 3).transpose(1, 2)
 
     queries, keys, values = flat(query), flat(key), flat(value)
@@ -125,10 +127,10 @@ def sample_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
         out = F.scaled_dot_product_attention(
             take(queries, batch.queries), take(keys, batch.keys, repeats), take(values, batch.keys, repeats),
             attn_mask=batch.visible, dropout_p=dropout, scale=scaling)
-        outputs.append(out.transpose(1, 2).reshape(-1, heads, dim))
+        outputs.append(out.transpose(1, 2).reshape(-1, heads, value_dim))
     computed = torch.cat(outputs).index_select(0, sample_attention.slots)
-    attended = query.new_zeros(rows * length, heads, dim).index_copy(0, sample_attention.positions, computed)
-    return attended.view(rows, length, heads, dim), None
+    attended = query.new_zeros(rows * length, heads, value_dim).index_copy(0, sample_attention.positions, computed)
+    return attended.view(rows, length, heads, value_dim), None
 
 
 def use_sample_attention(model: nn.Module) -> bool:
