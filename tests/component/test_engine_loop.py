@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -232,7 +233,9 @@ def test_server_engines_behind_the_router_train_the_weights_of_in_process_engine
     # run itself was killed in rollout 2 and resumed (its rollout 2 comes from the resumed process)
     killer = runs.killer
     assert killer.killed_at is not None, f"no server was killed: {killer.error}"
-    assert "died (ServerDied)" in (inputs[2] / EXPORTED[1] / "log.txt").read_text()  # seen exiting while generating
+    death = re.search(r"died \(ServerDied: the server \S+ exited with code -?\d+ \(its log: (\S+)\)\)",
+                      (inputs[2] / EXPORTED[1] / "log.txt").read_text())  # seen exiting while generating
+    assert death is not None and Path(death.group(1)).is_file()
     assert killer.removed_at is not None and killer.joined_at is not None, "the router's workers did not change"
     assert len(killer.group) >= 2  # the server and vLLM's engine core
     assert not [p for p in killer.group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -405,8 +405,8 @@ class RolloutGroup:
                     f"{PLACEMENT_TIMEOUT_S}s (its node left the cluster and no other node has room): ending the run "
                     f"so that it is retried from its last checkpoint; the engine's error: {error}"
                 ) from error
-            log.warning("rollout engine %d died (%s): starting a new one in its bundle", engine,
-                        type(error).__name__)
+            log.warning("rollout engine %d died (%s: %s): starting a new one in its bundle", engine,
+                        type(error).__name__, str(error).splitlines()[0] if str(error) else "")
             self._retire(engine)
             self.weight_holders[engine] = self._start_engine(engine)  # in place: the weight sync holds this list
             self.restarts += 1

@@ -160,9 +160,10 @@ class ServerActor:
         return self.server.process.pid
 
     @ray.method(concurrency_group=WATCH)
-    def exited(self) -> int:
-        """Returns when the server's process ends (its exit code): the driver waits on it to see a death at once."""
-        return self.server.process.wait()
+    def exited(self) -> tuple[int, str]:
+        """Returns when the server's process ends (its exit code, and its log's path on this actor's node): the
+        driver waits on it to see a death at once."""
+        return self.server.process.wait(), str(self.server.log_path)
 
     def loaded_weight_version(self) -> int:
         return self.weight_version
@@ -265,7 +266,8 @@ class ServerRolloutGroup(RolloutGroup):
         for i, ref in enumerate(self._exits):
             if ref in done:
                 try:
-                    dead[i] = ServerDied(f"the server {self.urls[i]} exited with code {ray.get(ref)}")
+                    code, log = ray.get(ref)
+                    dead[i] = ServerDied(f"the server {self.urls[i]} exited with code {code} (its log: {log})")
                 except RayActorError as error:
                     dead[i] = error
         return dead
