@@ -22,8 +22,8 @@ with the row's mask, 11 ms for the responses' units; a quarter of the responses 
 about 190 ms.
 
 The attention is HF transformers' (`AttentionInterface`), under the name ATTENTION; a model set to it runs torch's
-SDPA, with SDPA's masks, whenever a forward is not given `sample_attention` (a reference or critic forward of
-another layout).
+SDPA, with SDPA's masks, whenever a forward is not given `sample_attention` (a call from outside the trainer's
+rows). Like the rows' mask before it, it knows no sliding window or logit soft cap.
 """
 
 from __future__ import annotations
