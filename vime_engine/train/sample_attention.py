@@ -17,9 +17,9 @@ prompt, the prompt's length for a response): every query sees exactly the keys i
 outputs equal the masked SDPA's up to the order of float sums. Units are batched by dynamic programming over their
 key counts (vime_engine.algorithms.packing.pack_by_padded_length): a batch of n units whose longest has K keys costs
 about n * K**2 query-key pairs, plus a fixed cost per batch (its SDPA call and gathers, forward and backward).
-SmolLM2-135M, 2 CPU threads, one layer's forward and backward: 4 rows of a 44-token prompt and 4 responses, 25 ms
-with the row's mask, 11 ms for the responses' units; a quarter of the responses at 512 tokens, 389 ms against
-about 190 ms.
+SmolLM2-135M's attention shapes, 2 CPU threads, one layer's forward and backward over 4 rows of a 44-token prompt
+and 4 responses: 64-token responses, 27 ms with the rows' mask against 18 ms in 2 batches of units; a quarter of
+the responses at 512 tokens and the rest of 64-255, 676 ms against 148 ms in 6 batches.
 
 The attention is HF transformers' (`AttentionInterface`), under the name ATTENTION; a model set to it runs torch's
 SDPA, with SDPA's masks, whenever a forward is not given `sample_attention` (a call from outside the trainer's
