@@ -47,7 +47,7 @@ def test_outputs_and_gradients_match_sdpa_with_the_rows_mask(seed, value_dim):
         (out * weights).sum().backward()
         return out.detach() * layout.tokens[:, :, None, None], [t.grad for t in leaves]
 
-    units = sample_attention_layout(layout.spans, length, torch.device("cpu"))
+    units = sample_attention_layout(layout)
     ours = run(lambda q, k, v: sample_attention_forward(ATTENTION, q, k, v, None, scaling=0.3,
                                                         sample_attention=units)[0])
     masked = run(lambda q, k, v: F.scaled_dot_product_attention(
@@ -60,8 +60,7 @@ def test_outputs_and_gradients_match_sdpa_with_the_rows_mask(seed, value_dim):
 
 def test_units_cover_every_token_once_in_batches_by_length():
     layout = build_forward_rows(_rows(0), torch.device("cpu"))
-    length = layout.input_ids.shape[1]
-    units = sample_attention_layout(layout.spans, length, torch.device("cpu"))
+    units = sample_attention_layout(layout)
     tokens = layout.tokens.flatten().nonzero().flatten()
     assert sorted(units.positions.tolist()) == tokens.tolist()
     assert len(units.batches) > 1  # 40-token responses and 1-token ones are not padded to one length

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vime_engine.algorithms.packing import pack_by_padded_length
+from vime_engine.train.forward_rows import ForwardRows
 
 ATTENTION = "vime_sample_attention"
 # A batch of units' fixed cost in query-key pairs: ~0.7 ms a call (its gathers, SDPA and their backward) against
@@ -61,13 +62,13 @@ class SampleAttention:
     positions: Tensor
 
 
-def sample_attention_layout(spans: tuple[tuple[int, int, int, int], ...], length: int,
-                            device: torch.device) -> SampleAttention:
-    """The units of rows of `length` positions whose samples are `spans` (ForwardRows.spans: row, prompt length,
-    response start, response length)."""
+def sample_attention_layout(rows: ForwardRows) -> SampleAttention:
+    """The units of the samples of `rows` (their spans: row, prompt length, response start, response length), on
+    the rows' device."""
+    length, device = rows.input_ids.shape[1], rows.input_ids.device
     units: list[tuple[list[int], int]] = []  # (keys as row positions, how many of them are not queries)
     prompted_rows = set()
-    for row, prompt, start, response in spans:
+    for row, prompt, start, response in rows.spans:
         base = row * length
         prompt_keys = list(range(base, base + prompt))
         if prompt and row not in prompted_rows:

@@ -174,8 +174,7 @@ class TorchTrainBackend:
                 hooks.enter_context(routing.applied(self.model, layout))
             if with_moe_aux_loss:
                 hooks.enter_context(_recording_router_logits(self.model, router_logits))
-            attention = ({"sample_attention": sample_attention_layout(
-                layout.spans, layout.input_ids.shape[1], self.device)} if self.sample_attention else {})
+            attention = {"sample_attention": sample_attention_layout(layout)} if self.sample_attention else {}
             logits = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
                            position_ids=layout.position_ids, use_cache=False, **attention).logits
         aux = self._moe_aux_loss(tuple(router_logits), layout.tokens) if with_moe_aux_loss else None
